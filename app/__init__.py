@@ -1,0 +1,1 @@
+"""The H-CLIP search service (FastAPI) and the `hclip` command line."""

@@ -1,0 +1,59 @@
+"""The `hclip` console script: one entry point dispatching to each package's commands.
+
+It lives in `app`, the top of the import chain (models <- indexer <- app), and imports each
+command's module only when that command runs, so `hclip train` never loads FastAPI or FAISS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from models import bench_expressivity, train_cli
+
+    p = argparse.ArgumentParser(
+        prog="hclip", description="Hadamard-CLIP training, indexing and search"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a JSON config")
+    train_cli.add_arguments(train)
+    train.set_defaults(func=lambda a: train_cli.run(a))
+
+    from indexer import cli as index_cli
+
+    index = sub.add_parser("index", help="build, update and maintain versioned indexes")
+    index_cli.add_arguments(index)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    expr = bench_sub.add_parser("expressivity", help="H-CLIP vs sum-of-pairs on 3-way interactions")
+    bench_expressivity.add_arguments(expr)
+    expr.set_defaults(func=bench_expressivity.main_args)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from indexer.cli import USER_ERRORS as INDEX_ERRORS
+    from models.inputs import InputError
+    from models.train_cli import USER_ERRORS
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except (*USER_ERRORS, *INDEX_ERRORS, InputError) as exc:
+        print(f"hclip {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

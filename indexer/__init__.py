@@ -1,0 +1,1 @@
+"""Offline jobs: encode records, store embeddings and Hadamard views, publish FAISS indexes."""

@@ -1,0 +1,220 @@
+"""The versioned index artifact (DESIGN §5): layout, manifests, checksums, atomic publication.
+
+    ROOT/CURRENT                    id of the published version, replaced atomically
+    ROOT/versions/<id>/             complete before CURRENT names it, never modified afterwards
+    ROOT/.staging/<id>/             a version being written; removed by the next run if it died
+    ROOT/.lock                      held (flock) by the one build, update or gc running
+
+A version directory is renamed into versions/ only after every file in it is fsynced, and
+CURRENT is replaced only after that rename is durable, so a process killed at any point leaves
+CURRENT and every published version untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+CURRENT = "CURRENT"
+VERSIONS = "versions"
+STAGING = ".staging"
+LOCK = ".lock"
+MANIFEST = "manifest.json"
+RECORDS = "records.jsonl"
+EMBEDDINGS = "embeddings"
+VIEWS = "views"
+
+
+class ArtifactError(RuntimeError):
+    """The index root or a version in it is missing, locked, or inconsistent."""
+
+
+def new_version_id() -> str:
+    """Sortable by creation time, unique across concurrent hosts."""
+    now = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1e6):06d}Z"
+    return stamp + "-" + secrets.token_hex(3)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            fsync_path(Path(dirpath) / f)
+        fsync_path(Path(dirpath))
+
+
+@contextmanager
+def root_lock(root: Path) -> Iterator[None]:
+    """Exclusive writer lock on ROOT; the kernel releases it when the holder dies (SIGKILL too)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise ArtifactError(
+                    f"{root}: another build, update or gc is running (it holds {root / LOCK})"
+                ) from None
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def clean_staging(root: Path) -> list[str]:
+    """Remove what dead runs left; only call with the root lock held."""
+    staging = root / STAGING
+    removed = []
+    if staging.is_dir():
+        for entry in staging.iterdir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    for tmp in root.glob(f"{CURRENT}.tmp*"):
+        tmp.unlink(missing_ok=True)
+    if removed:
+        log.warning("removed unfinished versions left by a dead run: %s", ", ".join(removed))
+    return removed
+
+
+def staging_dir(root: Path, version_id: str) -> Path:
+    path = root / STAGING / version_id
+    (path / EMBEDDINGS).mkdir(parents=True)
+    (path / VIEWS).mkdir()
+    return path
+
+
+def version_dir(root: Path, version_id: str) -> Path:
+    return root / VERSIONS / version_id
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_table(vdir: Path) -> dict[str, dict[str, Any]]:
+    table = {}
+    for path in sorted(vdir.rglob("*")):
+        if path.is_file() and path.name != MANIFEST:
+            rel = path.relative_to(vdir).as_posix()
+            table[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return table
+
+
+def publish(root: Path, stage: Path, manifest: dict[str, Any]) -> Path:
+    """Checksum, fsync, move the staged version into versions/, then point CURRENT at it."""
+    version_id = manifest["version"]
+    manifest["files"] = file_table(stage)
+    (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    fsync_tree(stage)
+    final = version_dir(root, version_id)
+    final.parent.mkdir(exist_ok=True)
+    os.rename(stage, final)
+    fsync_path(final.parent)
+    write_current(root, version_id)
+    return final
+
+
+def write_current(root: Path, version_id: str) -> None:
+    tmp = root / f"{CURRENT}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(version_id + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / CURRENT)
+    fsync_path(root)
+
+
+def read_current(root: Path) -> str | None:
+    try:
+        text = (root / CURRENT).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return text or None
+
+
+def read_manifest(vdir: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads((vdir / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{vdir}: no {MANIFEST}") from None
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{vdir / MANIFEST}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict) or obj.get("format_version") != FORMAT_VERSION:
+        raise ArtifactError(f"{vdir / MANIFEST}: unknown artifact format")
+    return obj
+
+
+def current_version_dir(root: Path) -> Path:
+    vid = read_current(root)
+    if vid is None:
+        raise ArtifactError(f"{root}: no published version (run `hclip index build` first)")
+    return version_dir(root, vid)
+
+
+def list_versions(root: Path) -> list[dict[str, Any]]:
+    current = read_current(root)
+    rows = []
+    vroot = root / VERSIONS
+    for vdir in sorted(vroot.iterdir()) if vroot.is_dir() else []:
+        try:
+            m = read_manifest(vdir)
+        except ArtifactError as exc:
+            rows.append({"version": vdir.name, "error": str(exc), "current": vdir.name == current})
+            continue
+        rows.append(
+            {
+                "version": vdir.name,
+                "created": m.get("created"),
+                "parent": m.get("parent"),
+                "records": m.get("counts", {}).get("records"),
+                "views": sorted(m.get("views", {})),
+                "current": vdir.name == current,
+            }
+        )
+    return rows
+
+
+def gc(root: Path, keep: int) -> list[str]:
+    """Keep the newest `keep` versions and the published one; remove the rest."""
+    if keep < 1:
+        raise ArtifactError("gc: --keep must be at least 1")
+    with root_lock(root):
+        clean_staging(root)
+        current = read_current(root)
+        vroot = root / VERSIONS
+        versions = sorted(p.name for p in vroot.iterdir()) if vroot.is_dir() else []
+        doomed = [v for v in versions[:-keep] if v != current]
+        for v in doomed:
+            # Rename first so that a crash mid-delete never leaves a half-version in versions/.
+            trash = root / STAGING / f"gc-{v}"
+            trash.parent.mkdir(exist_ok=True)
+            os.rename(version_dir(root, v), trash)
+            shutil.rmtree(trash)
+        return doomed

@@ -1,0 +1,154 @@
+"""`hclip index build|update|list|verify|gc`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from indexer import artifact
+from indexer.build import JobOptions, build, summary, update
+from indexer.reader import verify
+from indexer.specs import IndexSpec, SpecError
+from indexer.views import parse_views
+from models.checkpoint import read_config
+
+USER_ERRORS = (artifact.ArtifactError, SpecError)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="index_command", required=True)
+
+    def job_options(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--spec",
+            help="flat (default) | hnsw[:M=..,ef_search=..] | ivf[:nlist=..,"
+            "nprobe=..] | ivfpq[:nlist=..,m=..,nbits=..,nprobe=..]",
+        )
+        sp.add_argument("--views", help="comma-separated query sets (a,b+c); default: DESIGN §4")
+        sp.add_argument("--batch-size", type=int, default=256)
+        sp.add_argument(
+            "--skip-bad",
+            action="store_true",
+            help="report bad records and leave them out instead of failing",
+        )
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    b = sub.add_parser("build", help="encode records and publish a new version")
+    b.add_argument("--model", required=True, type=Path)
+    b.add_argument("--records", required=True, type=Path, help="JSON Lines or Parquet")
+    b.add_argument("--root", required=True, type=Path)
+    job_options(b)
+    b.set_defaults(func=_build)
+
+    u = sub.add_parser("update", help="a new version from the current one: deletes, then upserts")
+    u.add_argument("--root", required=True, type=Path)
+    u.add_argument("--upsert", type=Path, help="records to add or replace (JSON Lines or Parquet)")
+    u.add_argument("--delete", type=Path, help="ids to remove, one per line")
+    u.add_argument("--model", type=Path, help="default: the model that built the current version")
+    job_options(u)
+    u.set_defaults(func=_update)
+
+    ls = sub.add_parser("list", help="list versions")
+    ls.add_argument("--root", required=True, type=Path)
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(func=_list)
+
+    v = sub.add_parser("verify", help="check checksums and view contents")
+    v.add_argument("--root", required=True, type=Path)
+    v.add_argument("--version", help="one version (default: all)")
+    v.set_defaults(func=_verify)
+
+    g = sub.add_parser("gc", help="keep the newest N versions and the published one")
+    g.add_argument("--root", required=True, type=Path)
+    g.add_argument("--keep", type=int, default=3)
+    g.set_defaults(func=_gc)
+
+
+def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
+    if args.batch_size < 1:
+        raise SpecError("--batch-size must be at least 1")
+    opts = JobOptions(batch_size=args.batch_size, skip_bad=args.skip_bad, progress=not args.quiet)
+    if args.spec:
+        opts.spec = IndexSpec.parse(args.spec)
+    if args.views:
+        try:
+            opts.views = parse_views(args.views, names)
+        except ValueError as exc:
+            raise SpecError(f"--views: {exc}") from None
+    return opts
+
+
+def _build(args: argparse.Namespace) -> int:
+    cfg, _ = read_config(args.model)
+    result = build(args.model, args.records, args.root, _options(args, cfg.names))
+    print("\n".join(summary(result)))
+    return 0
+
+
+def _update(args: argparse.Namespace) -> int:
+    vdir = artifact.current_version_dir(args.root)
+    names = artifact.read_manifest(vdir)["modalities"]
+    result = update(
+        args.root,
+        args.upsert,
+        args.delete,
+        _options(args, names),
+        args.model,
+        spec_given=bool(args.spec),
+    )
+    print("\n".join(summary(result)))
+    info = result.manifest["update"]
+    print(
+        f"  kept {info['kept']} stored rows, encoded {info['encoded']}, deleted {info['deleted']}"
+    )
+    if info["deleted_not_found"]:
+        print(f"  ids to delete that were not present: {', '.join(info['deleted_not_found'][:20])}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = artifact.list_versions(args.root)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print(f"{args.root}: no versions")
+    for r in rows:
+        mark = "*" if r["current"] else " "
+        if "error" in r:
+            print(f"{mark} {r['version']}  ERROR {r['error']}")
+        else:
+            print(
+                f"{mark} {r['version']}  {r['created']}  {r['records']:>9} records  "
+                f"parent {r['parent'] or '-'}  views {','.join(r['views'])}"
+            )
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    names = (
+        [args.version]
+        if args.version
+        else [r["version"] for r in artifact.list_versions(args.root)]
+    )
+    if not names:
+        raise artifact.ArtifactError(f"{args.root}: no versions to verify")
+    bad = 0
+    for name in names:
+        problems = verify(artifact.version_dir(args.root, name))
+        print(f"{name}: {'ok' if not problems else 'FAILED'}")
+        for p in problems:
+            print(f"  {p}")
+        bad += bool(problems)
+    current = artifact.read_current(args.root)
+    if current and not artifact.version_dir(args.root, current).is_dir():
+        print(f"CURRENT names {current}, which does not exist")
+        bad += 1
+    return 1 if bad else 0
+
+
+def _gc(args: argparse.Namespace) -> int:
+    removed = artifact.gc(args.root, args.keep)
+    print(f"removed {len(removed)} version(s){': ' + ', '.join(removed) if removed else ''}")
+    return 0

@@ -1,0 +1,1 @@
+"""Encoders, the H-CLIP head and its baselines, losses, training and checkpoints (torch only)."""

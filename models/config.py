@@ -1,0 +1,221 @@
+"""Model and training configuration: small dataclasses that round-trip to JSON.
+
+Every validation error names the offending field by its JSON path (``modalities.a.dim``), so a
+user can find it in the config file without reading a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENCODER_KINDS = ("vector", "text", "image", "audio")
+HEADS = ("hclip", "sum_of_pairs", "symile", "clip")
+LOSSES = ("full_conditional", "pairwise")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+
+def _req(obj: dict[str, Any], key: str, path: str) -> Any:
+    if key not in obj:
+        raise ConfigError(f"{path}{key}: required field is missing")
+    return obj[key]
+
+
+def _int(value: Any, path: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{path}: must be >= {minimum}, got {value}")
+    return value
+
+
+def _float(value: Any, path: str, positive: bool = True) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if not math.isfinite(value) or (positive and value <= 0):
+        raise ConfigError(f"{path}: must be a finite {'positive ' if positive else ''}number")
+    return float(value)
+
+
+def _check_keys(obj: dict[str, Any], allowed: set[str], path: str) -> None:
+    unknown = sorted(set(obj) - allowed)
+    if unknown:
+        raise ConfigError(f"{path}{unknown[0]}: unknown field (allowed: {sorted(allowed)})")
+
+
+@dataclass(frozen=True)
+class ModalityConfig:
+    """One modality: its input kind and the kind's preprocessing parameters."""
+
+    kind: str
+    dim: int | None = None  # vector: input length
+    hidden: int = 256  # width of the trainable layers before the projection
+    image_size: int = 32  # image: inputs are resized to image_size x image_size
+    channels: int = 1  # image: 1 (grey) or 3 (RGB)
+    sample_rate: int = 16000  # audio: waveforms are resampled to this rate
+    max_seconds: float = 1.0  # audio: clips are cropped or zero-padded to this length
+    n_mels: int = 40  # audio
+
+    @staticmethod
+    def from_dict(obj: Any, path: str) -> ModalityConfig:
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{path}: expected an object with a 'kind'")
+        allowed = {f for f in ModalityConfig.__dataclass_fields__}
+        _check_keys(obj, allowed, path + ".")
+        kind = _req(obj, "kind", path + ".")
+        if kind not in ENCODER_KINDS:
+            raise ConfigError(
+                f"{path}.kind: unknown encoder kind {kind!r} (known: {', '.join(ENCODER_KINDS)})"
+            )
+        kw: dict[str, Any] = {"kind": kind}
+        if kind == "vector":
+            kw["dim"] = _int(_req(obj, "dim", path + "."), f"{path}.dim")
+        elif "dim" in obj:
+            raise ConfigError(f"{path}.dim: only 'vector' modalities take a dim")
+        for name in ("hidden", "image_size", "sample_rate", "n_mels"):
+            if name in obj:
+                kw[name] = _int(obj[name], f"{path}.{name}", minimum=8 if name != "hidden" else 1)
+        if "channels" in obj:
+            kw["channels"] = _int(obj["channels"], f"{path}.channels")
+            if kw["channels"] not in (1, 3):
+                raise ConfigError(f"{path}.channels: must be 1 or 3")
+        if "max_seconds" in obj:
+            kw["max_seconds"] = _float(obj["max_seconds"], f"{path}.max_seconds")
+        return ModalityConfig(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        defaults = ModalityConfig(kind=self.kind)
+        relevant = {
+            "vector": ("dim", "hidden"),
+            "text": ("hidden",),
+            "image": ("hidden", "image_size", "channels"),
+            "audio": ("hidden", "sample_rate", "max_seconds", "n_mels"),
+        }[self.kind]
+        out: dict[str, Any] = {"kind": self.kind}
+        for name in relevant:
+            value = getattr(self, name)
+            if name == "dim" or value != getattr(defaults, name):
+                out[name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture: modalities (in a fixed, sorted order), head and latent width."""
+
+    modalities: dict[str, ModalityConfig]
+    head: str = "hclip"
+    latent_dim: int = 64
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self.modalities)
+
+    @staticmethod
+    def from_dict(obj: dict[str, Any]) -> ModelConfig:
+        mods = _req(obj, "modalities", "")
+        if not isinstance(mods, dict) or len(mods) < 2:
+            raise ConfigError("modalities: need an object with at least 2 modalities")
+        parsed = {}
+        for name, spec in mods.items():
+            if not isinstance(name, str) or not name.isidentifier() or "+" in name:
+                raise ConfigError(f"modalities.{name}: a modality name must be an identifier")
+            parsed[name] = ModalityConfig.from_dict(spec, f"modalities.{name}")
+        head = obj.get("head", "hclip")
+        if head not in HEADS:
+            raise ConfigError(f"head: unknown head {head!r} (known: {', '.join(HEADS)})")
+        if head == "clip" and len(parsed) != 2:
+            raise ConfigError(f"head: 'clip' needs exactly 2 modalities, got {len(parsed)}")
+        latent = _int(obj.get("latent_dim", 64), "latent_dim")
+        return ModelConfig(modalities=parsed, head=head, latent_dim=latent)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "modalities": {n: self.modalities[n].to_dict() for n in self.names},
+            "head": self.head,
+            "latent_dim": self.latent_dim,
+        }
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    records: str
+    epochs: int = 20
+    batch_size: int = 256
+    lr: float = 1e-3
+    seed: int = 0
+    weight_decay: float = 0.0
+    loss: str = "full_conditional"  # sum_of_pairs/clip heads may also use "pairwise"
+    log_every: int = 50
+    num_threads: int = 0  # 0: let torch decide
+
+    @staticmethod
+    def from_dict(obj: Any) -> TrainConfig:
+        if not isinstance(obj, dict):
+            raise ConfigError("train: expected an object")
+        _check_keys(obj, set(TrainConfig.__dataclass_fields__), "train.")
+        records = _req(obj, "records", "train.")
+        if not isinstance(records, str) or not records:
+            raise ConfigError("train.records: expected a path string")
+        loss = obj.get("loss", "full_conditional")
+        if loss not in LOSSES:
+            raise ConfigError(f"train.loss: unknown loss {loss!r} (known: {', '.join(LOSSES)})")
+        return TrainConfig(
+            records=records,
+            epochs=_int(obj.get("epochs", 20), "train.epochs"),
+            batch_size=_int(obj.get("batch_size", 256), "train.batch_size", minimum=2),
+            lr=_float(obj.get("lr", 1e-3), "train.lr"),
+            seed=_int(obj.get("seed", 0), "train.seed", minimum=0),
+            weight_decay=_float(obj.get("weight_decay", 0.0), "train.weight_decay", False),
+            loss=loss,
+            log_every=_int(obj.get("log_every", 50), "train.log_every"),
+            num_threads=_int(obj.get("num_threads", 0), "train.num_threads", minimum=0),
+        )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole training config file: the model plus how to train it."""
+
+    model: ModelConfig
+    train: TrainConfig
+    base_dir: Path = field(default=Path("."))
+
+    @property
+    def records_path(self) -> Path:
+        return (self.base_dir / self.train.records).resolve()
+
+    @staticmethod
+    def from_dict(obj: Any, base_dir: Path) -> RunConfig:
+        if not isinstance(obj, dict):
+            raise ConfigError("config: expected a JSON object at the top level")
+        _check_keys(obj, {"modalities", "head", "latent_dim", "train"}, "")
+        model = ModelConfig.from_dict(obj)
+        train = TrainConfig.from_dict(_req(obj, "train", ""))
+        if train.loss == "pairwise" and model.head not in ("sum_of_pairs", "clip"):
+            raise ConfigError(
+                f"train.loss: 'pairwise' applies to sum_of_pairs and clip heads, not {model.head!r}"
+            )
+        return RunConfig(model=model, train=train, base_dir=base_dir)
+
+    @staticmethod
+    def load(path: str | Path) -> RunConfig:
+        path = Path(path)
+        try:
+            obj = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: config file not found") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        return RunConfig.from_dict(obj, path.parent)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.model.to_dict()
+        out["train"] = asdict(self.train)
+        return out

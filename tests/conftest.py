@@ -1,0 +1,46 @@
+"""Shared fixtures: tiny synthetic models and records."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def vector_records(n: int, dims: dict[str, int], seed: int = 0, k: int = 4) -> list[dict]:
+    """Shared-factor records: every modality is a noisy view of one of k symbols."""
+    rng = np.random.default_rng(seed)
+    books = {m: rng.standard_normal((k, d)) for m, d in dims.items()}
+    rows = []
+    for i in range(n):
+        s = int(rng.integers(0, k))
+        row = {"id": f"r-{i:05d}", "payload": {"symbol": s}}
+        for m, d in dims.items():
+            row[m] = [round(float(v), 5) for v in books[m][s] + 0.1 * rng.standard_normal(d)]
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture
+def vector_config(tmp_path: Path) -> Path:
+    dims = {"a": 6, "b": 5, "c": 4}
+    write_jsonl(tmp_path / "train.jsonl", vector_records(64, dims))
+    cfg = {
+        "modalities": {m: {"kind": "vector", "dim": d, "hidden": 16} for m, d in dims.items()},
+        "head": "hclip",
+        "latent_dim": 8,
+        "train": {"records": "train.jsonl", "epochs": 2, "batch_size": 16, "lr": 0.01, "seed": 0},
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path

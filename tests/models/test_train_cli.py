@@ -1,0 +1,110 @@
+"""`hclip train` end to end on tiny data on the CPU, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main
+from models.checkpoint import load_model
+from tests.conftest import vector_records, write_jsonl
+
+
+def test_train_end_to_end(vector_config: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "model"
+    assert main(["train", "--config", str(vector_config), "--out", str(out), "--quiet"]) == 0
+    model = load_model(out)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["head"] == "hclip" and cfg["train"]["epochs"] == 2
+    final = cfg["training"]["final"]
+    assert final["step"] == 8 and final["mi_bound_bits"] <= final["ceiling_bits"] == 4.0
+    assert model.names == ["a", "b", "c"]
+
+
+def test_training_is_reproducible(vector_config: Path, tmp_path: Path) -> None:
+    for name in ("m1", "m2"):
+        assert (
+            main(
+                ["train", "--config", str(vector_config), "--out", str(tmp_path / name), "--quiet"]
+            )
+            == 0
+        )
+    assert (tmp_path / "m1/model.safetensors").read_bytes() == (
+        tmp_path / "m2/model.safetensors"
+    ).read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda r: r[3].update(smell=[1.0]), "line 4, id 'r-00003': unknown modality 'smell'"),
+        (lambda r: r[2].update(a=[1.0, 2.0]), "line 3, id 'r-00002': a: vector must have length 6"),
+        (
+            lambda r: r[5].__setitem__("id", "r-00001"),
+            "line 6, id 'r-00001': duplicate id, first seen on line 2",
+        ),
+        (
+            lambda r: r[1].pop("c"),
+            "line 2, id 'r-00001': training records need every modality; 'c'",
+        ),
+    ],
+)
+def test_bad_records_name_the_line_and_leave_nothing(
+    vector_config: Path, tmp_path: Path, capsys, mutate, message: str
+) -> None:
+    rows = vector_records(64, {"a": 6, "b": 5, "c": 4})
+    mutate(rows)
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    out = tmp_path / "model"
+    assert main(["train", "--config", str(vector_config), "--out", str(out), "--quiet"]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_nan_in_a_record_is_refused(vector_config: Path, tmp_path: Path, capsys) -> None:
+    rows = vector_records(64, {"a": 6, "b": 5, "c": 4})
+    text = "".join(json.dumps(r) + "\n" for r in rows).replace(str(rows[7]["b"][0]), "NaN", 1)
+    (tmp_path / "train.jsonl").write_text(text)
+    assert (
+        main(["train", "--config", str(vector_config), "--out", str(tmp_path / "m"), "--quiet"])
+        == 2
+    )
+    assert "line 8: not valid JSON (NaN is not valid JSON)" in capsys.readouterr().err
+
+
+def test_text_image_audio_model_trains(tmp_path: Path) -> None:
+    """The real encoders, MiniLM included, on a handful of records."""
+    from tests.models.test_inputs import data_uri, png_bytes, wav_bytes
+
+    rows = [
+        {
+            "id": str(i),
+            "text": f"sample number {i}",
+            "image": data_uri("image/png", png_bytes()),
+            "audio": data_uri("audio/wav", wav_bytes(seconds=0.1 + 0.01 * i)),
+        }
+        for i in range(8)
+    ]
+    write_jsonl(tmp_path / "r.jsonl", rows)
+    cfg = {
+        "modalities": {
+            "text": {"kind": "text", "hidden": 16},
+            "image": {"kind": "image", "image_size": 16, "hidden": 16},
+            "audio": {"kind": "audio", "max_seconds": 0.2, "hidden": 16},
+        },
+        "latent_dim": 8,
+        "train": {"records": "r.jsonl", "epochs": 1, "batch_size": 4},
+    }
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    assert (
+        main(
+            ["train", "--config", str(tmp_path / "c.json"), "--out", str(tmp_path / "m"), "--quiet"]
+        )
+        == 0
+    )
+    model = load_model(tmp_path / "m")
+    emb = model.encode("text", ["sample number 3"])
+    assert emb.shape == (1, 8) and abs(float(emb.norm()) - 1.0) < 1e-5
