@@ -30,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     index = sub.add_parser("index", help="build, update and maintain versioned indexes")
     index_cli.add_arguments(index)
 
+    from app import serve_cli
+
+    serve = sub.add_parser("serve", help="serve the published index over HTTP")
+    serve_cli.add_arguments(serve)
+    serve.set_defaults(func=serve_cli.run)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     expr = bench_sub.add_parser("expressivity", help="H-CLIP vs sum-of-pairs on 3-way interactions")

@@ -103,3 +103,36 @@ class FlatIPAppender(_Appender):
             _METRIC_INNER_PRODUCT,
             self.rows * self.dim,
         )
+
+
+class NpyRows:
+    """Reads rows of a float32 .npy written by NpyAppender with plain reads, chunk by chunk.
+
+    Build jobs use this instead of a memory map: pages of a map that has been read stay in the
+    process's resident set, so a map over all rows would make peak memory grow with the
+    record count. Index it with sorted row numbers; it reads the spans they cover.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        header = np.load(path, mmap_mode="r")  # parses the header; touches no data pages
+        self.shape: tuple[int, int] = (int(header.shape[0]), int(header.shape[1]))
+        self.offset = int(header.offset)
+        del header
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, idx: np.ndarray) -> np.ndarray:
+        idx = np.asarray(idx, dtype=np.int64)
+        if idx.size == 0:
+            return np.zeros((0, self.shape[1]), dtype=np.float32)
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        if hi - lo > 4 * idx.size + 1024:  # sparse rows: read two smaller spans, not one huge
+            half = idx.size // 2
+            return np.concatenate([self[idx[:half]], self[idx[half:]]])
+        dim = self.shape[1]
+        span = np.fromfile(
+            self.path, dtype="<f4", count=(hi - lo) * dim, offset=self.offset + lo * dim * 4
+        ).reshape(hi - lo, dim)
+        return span[idx - lo]

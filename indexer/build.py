@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from indexer import artifact
+from indexer.arrays import NpyRows
 from indexer.encode import RowWriter, Validator, encode_records
-from indexer.reader import load_rows, read_records
+from indexer.reader import iter_stored_records, load_rows
 from indexer.sources import iter_records
 from indexer.specs import IndexSpec
 from indexer.views import build_view
@@ -66,15 +67,14 @@ def _finish(
     extra: dict[str, Any],
 ) -> JobResult:
     """Build every view from the staged embeddings, write the manifest and publish."""
-    records = read_records(stage)
-    stored = load_rows(stage, model.names, records)
+    stored = load_rows(stage, model.names, mmap=False)
     if stored.count == 0:
         raise RecordError("no valid records: nothing to index")
     views = {}
     for q in opts.views or default_views(model.names):
         entry = build_view(stage, model.head, stored, q, opts.spec)
         views["+".join(entry["query"])] = entry
-    del stored  # release the memory maps before the directory is renamed
+    count = stored.count
     manifest = {
         "format_version": artifact.FORMAT_VERSION,
         "version": stage.name,
@@ -84,8 +84,8 @@ def _finish(
         "modalities": model.names,
         "d": model.cfg.latent_dim,
         "counts": {
-            "records": len(records),
-            "by_modality": {n: sum(n in r["modalities"] for r in records) for n in model.names},
+            "records": stored.count,
+            "by_modality": {n: int(stored.present[n].sum()) for n in model.names},
             "rejected": len(validator.rejected),
         },
         "views": views,
@@ -93,7 +93,7 @@ def _finish(
         **extra,
     }
     path = artifact.publish(root, stage, manifest)
-    log.info("published version %s (%d records, %d views)", stage.name, len(records), len(views))
+    log.info("published version %s (%d records, %d views)", stage.name, count, len(views))
     return JobResult(stage.name, path, manifest)
 
 
@@ -137,15 +137,32 @@ def _upsert_ids(path: Path) -> set[str]:
     return {obj["id"] for _, obj in iter_records(path) if isinstance(obj.get("id"), str)}
 
 
-def _copy_rows(
-    old: Path, writer: RowWriter, records: list[dict[str, Any]], keep: np.ndarray
-) -> None:
-    arrays = {
-        n: np.load(old / artifact.EMBEDDINGS / f"{n}.npy", mmap_mode="r") for n in writer.names
-    }
-    for start in range(0, len(keep), 8192):
-        idx = keep[start : start + 8192]
-        writer.write([records[i] for i in idx], {n: np.asarray(a[idx]) for n, a in arrays.items()})
+def _copy_rows(old: Path, writer: RowWriter, drop: set[str]) -> tuple[int, set[str]]:
+    """Stream the old version's rows whose ids are not in `drop` into the new version, with
+    their stored embeddings; returns the number of rows kept and every old id."""
+    arrays = {n: NpyRows(old / artifact.EMBEDDINGS / f"{n}.npy") for n in writer.names}
+    kept, seen = 0, set()
+    rows: list[int] = []
+    recs: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        idx = np.array(rows, dtype=np.int64)
+        writer.write(recs, {n: a[idx] for n, a in arrays.items()})
+        rows.clear()
+        recs.clear()
+
+    for i, rec in enumerate(iter_stored_records(old)):
+        seen.add(rec["id"])
+        if rec["id"] in drop:
+            continue
+        rows.append(i)
+        recs.append(rec)
+        kept += 1
+        if len(rows) == 8192:
+            flush()
+    if rows:
+        flush()
+    return kept, seen
 
 
 def update(
@@ -179,22 +196,12 @@ def update(
             opts.views = [tuple(v["query"]) for v in manifest["views"].values()]
         deleted = set(_read_ids(delete)) if delete else set()
         replaced = _upsert_ids(upsert) if upsert else set()
-        old_records = read_records(old)
-        keep = np.array(
-            [
-                i
-                for i, r in enumerate(old_records)
-                if r["id"] not in deleted and r["id"] not in replaced
-            ],
-            dtype=np.int64,
-        )
-        missing = deleted - {r["id"] for r in old_records}
         stage = artifact.staging_dir(root, artifact.new_version_id())
         try:
             writer = RowWriter(stage, model.names, model.cfg.latent_dim)
             validator = Validator(model, upsert.parent if upsert else root, skip_bad=opts.skip_bad)
             try:
-                _copy_rows(old, writer, old_records, keep)
+                kept, old_ids = _copy_rows(old, writer, deleted | replaced)
                 encoded = 0
                 if upsert:
                     encoded = encode_records(
@@ -207,9 +214,10 @@ def update(
                     )
             finally:
                 writer.close()
+            missing = deleted - old_ids
             extra = {
                 "update": {
-                    "kept": len(keep),
+                    "kept": kept,
                     "encoded": encoded,
                     "deleted": len(deleted - missing),
                     "deleted_not_found": sorted(missing)[:1000],

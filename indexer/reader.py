@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import faiss
 import numpy as np
+import orjson
 
 from indexer import artifact
+from indexer.arrays import NpyRows
 from indexer.specs import IndexSpec, pad_queries, set_search_params
 from indexer.views import CHUNK, StoredRows, factor_chunks
 from models.heads import build_head
@@ -19,15 +21,33 @@ from models.heads import build_head
 log = logging.getLogger(__name__)
 
 
+def iter_stored_records(vdir: Path) -> Iterator[dict[str, Any]]:
+    with open(vdir / artifact.RECORDS, "rb") as f:
+        for line in f:
+            yield orjson.loads(line)
+
+
 def read_records(vdir: Path) -> list[dict[str, Any]]:
-    with open(vdir / artifact.RECORDS, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+    return list(iter_stored_records(vdir))
 
 
-def load_rows(vdir: Path, names: list[str], records: list[dict[str, Any]]) -> StoredRows:
-    embeddings = {n: np.load(vdir / artifact.EMBEDDINGS / f"{n}.npy", mmap_mode="r") for n in names}
-    present = {n: np.array([n in r["modalities"] for r in records], dtype=bool) for n in names}
-    return StoredRows(embeddings=embeddings, present=present)
+def read_presence(vdir: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """Which rows have each modality, streamed from records.jsonl (a byte per row and name)."""
+    flags: dict[str, list[bool]] = {n: [] for n in names}
+    for rec in iter_stored_records(vdir):
+        have = set(rec["modalities"])
+        for n in names:
+            flags[n].append(n in have)
+    return {n: np.array(v, dtype=bool) for n, v in flags.items()}
+
+
+def load_rows(vdir: Path, names: list[str], mmap: bool = True) -> StoredRows:
+    """Memory-mapped for serving; plain chunked reads for build jobs (see NpyRows)."""
+    paths = {n: vdir / artifact.EMBEDDINGS / f"{n}.npy" for n in names}
+    embeddings: dict[str, Any] = {
+        n: np.load(p, mmap_mode="r") if mmap else NpyRows(p) for n, p in paths.items()
+    }
+    return StoredRows(embeddings=embeddings, present=read_presence(vdir, names))
 
 
 @dataclass
@@ -71,7 +91,7 @@ class LoadedVersion:
         if len(self.records) != self.manifest["counts"]["records"]:
             raise artifact.ArtifactError(f"{vdir}: records.jsonl does not match the manifest")
         self.row_of = {r["id"]: i for i, r in enumerate(self.records)}
-        self.stored = load_rows(vdir, self.names, self.records)
+        self.stored = load_rows(vdir, self.names)
         self.views: dict[str, View] = {}
         for name, entry in self.manifest["views"].items():
             self.views[name] = self._open_view(name, entry, mmap)

@@ -7,6 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 
 class RecordError(ValueError):
     """A record is malformed; the message names its line and id."""
@@ -27,23 +29,40 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _lenient_id(line: str) -> str | None:
+    """The id of a line that Python's lenient parser accepts, to name it in an error."""
+    obj = json.loads(line)
+    rid = obj.get("id") if isinstance(obj, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def parse_line(line: str | bytes, line_no: int) -> dict[str, Any]:
+    """One JSON Lines record. orjson parses floats several times faster than the standard
+    library and refuses NaN and Infinity; the standard library then names the failure."""
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        text = line.decode("utf-8", "replace") if isinstance(line, bytes) else line
+        try:
+            obj = json.loads(text, parse_constant=_reject_constant)
+        except json.JSONDecodeError as exc:
+            raise RecordError(f"not valid JSON ({exc})", line=line_no) from None
+        except ValueError as exc:  # NaN or Infinity, which are not JSON
+            raise RecordError(f"not valid JSON ({exc})", line_no, _lenient_id(text)) from None
+    if not isinstance(obj, dict):
+        raise RecordError("expected a JSON object", line=line_no)
+    return obj
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """Yield (line number, record) for every non-blank line; blank lines are skipped."""
     path = Path(path)
     if not path.is_file():
         raise RecordError(f"records file not found: {path}")
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                # NaN and Infinity are not JSON; refuse them here rather than index them.
-                obj = json.loads(line, parse_constant=_reject_constant)
-            except (json.JSONDecodeError, ValueError) as exc:
-                raise RecordError(f"not valid JSON ({exc})", line=line_no) from None
-            if not isinstance(obj, dict):
-                raise RecordError("expected a JSON object", line=line_no)
-            yield line_no, obj
+            if line.strip():
+                yield line_no, parse_line(line, line_no)
 
 
 def record_id(obj: dict[str, Any], line: int) -> str:

@@ -44,3 +44,41 @@ def vector_config(tmp_path: Path) -> Path:
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     return path
+
+
+DIMS = {"a": 6, "b": 5, "c": 4}
+
+
+def make_model_dir(
+    path: Path,
+    head: str = "hclip",
+    dims: dict[str, int] | None = None,
+    latent: int = 8,
+    seed: int = 0,
+) -> Path:
+    """An untrained model with random weights (and a random omega): enough for index tests."""
+    from models.checkpoint import save_model
+    from models.config import ModelConfig
+    from models.model import MultimodalModel
+
+    dims = dims or DIMS
+    cfg = ModelConfig.from_dict(
+        {
+            "modalities": {m: {"kind": "vector", "dim": d, "hidden": 16} for m, d in dims.items()},
+            "head": head,
+            "latent_dim": latent,
+        }
+    )
+    torch.manual_seed(seed)
+    model = MultimodalModel(cfg)
+    with torch.no_grad():
+        if head == "hclip":
+            model.head.weight.copy_(torch.rand(latent) + 0.5)
+        model.head.logit_scale.fill_(1.0)
+    return save_model(model, path)
+
+
+def run_cli(*argv: str) -> int:
+    from app.cli import main
+
+    return main([str(a) for a in argv])

@@ -72,7 +72,7 @@ def test_nan_in_a_record_is_refused(vector_config: Path, tmp_path: Path, capsys)
         main(["train", "--config", str(vector_config), "--out", str(tmp_path / "m"), "--quiet"])
         == 2
     )
-    assert "line 8: not valid JSON (NaN is not valid JSON)" in capsys.readouterr().err
+    assert "line 8, id 'r-00007': not valid JSON (NaN is not valid JSON)" in capsys.readouterr().err
 
 
 def test_text_image_audio_model_trains(tmp_path: Path) -> None:

@@ -1,0 +1,47 @@
+"""Prometheus metrics, in a registry per app so that tests can run several apps side by side."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "hclip_requests_total", "HTTP requests", ["endpoint", "method", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "hclip_request_seconds",
+            "HTTP request latency",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cache = Counter("hclip_cache_total", "cache lookups", ["kind", "outcome"], registry=r)
+        self.cache_errors = Counter(
+            "hclip_cache_errors_total", "cache backend failures (Redis down or slow)", registry=r
+        )
+        self.batch_size = Histogram(
+            "hclip_search_batch_size",
+            "queries per FAISS call",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.version = Gauge(
+            "hclip_index_version_info",
+            "the loaded index version (value 1)",
+            ["version"],
+            registry=r,
+        )
+        self.reloads = Counter("hclip_reloads_total", "version loads", ["outcome"], registry=r)
+
+    def set_version(self, version: str) -> None:
+        self.version.clear()
+        self.version.labels(version=version).set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

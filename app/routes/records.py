@@ -1,0 +1,38 @@
+"""GET /v1/records/{id} and its precomputed embeddings."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.errors import NotFound
+from app.responses import JSONResponse
+from app.serving import ServingVersion
+from app.state import Serving
+
+router = APIRouter()
+
+
+def _row(serving: ServingVersion, record_id: str) -> int:
+    row = serving.index.row_of.get(record_id)
+    if row is None:
+        raise NotFound(f"no record with id {record_id!r} in version {serving.version}")
+    return row
+
+
+@router.get("/v1/records/{record_id}")
+async def record(record_id: str, serving: Serving) -> JSONResponse:
+    rec = serving.index.records[_row(serving, record_id)]
+    return JSONResponse({**rec, "index_version": serving.version})
+
+
+@router.get("/v1/records/{record_id}/embeddings")
+async def record_embeddings(record_id: str, serving: Serving) -> JSONResponse:
+    row = _row(serving, record_id)
+    return JSONResponse(
+        {
+            "id": record_id,
+            "index_version": serving.version,
+            "model_fingerprint": serving.fingerprint,
+            "embeddings": serving.index.embeddings_of(row),
+        }
+    )

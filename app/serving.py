@@ -1,0 +1,135 @@
+"""The loaded version and its hot swap.
+
+A request takes the ServingVersion that is current when it starts and uses it to the end, so
+it finishes on the old version even if a new one is swapped in meanwhile; the old version's
+memory maps close when the last such request lets go of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import faiss
+
+from app.batching import SearchBatcher
+from app.errors import VersionRejected
+from app.metrics import Metrics
+from app.settings import Settings
+from indexer import artifact
+from indexer.reader import LoadedVersion, verify
+from models.checkpoint import fingerprint, load_model
+from models.model import MultimodalModel
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingVersion:
+    index: LoadedVersion
+    model: MultimodalModel
+    batchers: dict[str, SearchBatcher] = field(default_factory=dict)
+
+    @property
+    def version(self) -> str:
+        return self.index.version
+
+    @property
+    def fingerprint(self) -> str:
+        return self.index.fingerprint
+
+
+class VersionManager:
+    def __init__(self, settings: Settings, metrics: Metrics, faiss_executor: Executor):
+        self.settings = settings
+        self.root = Path(settings.root)
+        self.metrics = metrics
+        self.faiss_executor = faiss_executor
+        self.current: ServingVersion | None = None
+        self.rejected: dict[str, str] = {}  # version -> why; not retried by the poller
+        self._models: dict[str, MultimodalModel] = {}
+        self._lock = asyncio.Lock()
+
+    def _open(self, version_id: str) -> ServingVersion:
+        """Blocking: verify and open a version, and load (or reuse) its model."""
+        vdir = artifact.version_dir(self.root, version_id)
+        if self.settings.verify_on_load:
+            problems = verify(vdir)
+            if problems:
+                raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+        try:
+            index = LoadedVersion(vdir)
+        except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
+            raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
+        model = self._models.get(index.fingerprint)
+        if model is None:
+            model_dir = Path(index.manifest["model"]["path"])
+            try:
+                found = fingerprint(model_dir)
+            except (OSError, ValueError) as exc:
+                raise VersionRejected(f"model of version {version_id}: {exc}") from None
+            if found != index.fingerprint:
+                raise VersionRejected(
+                    f"model at {model_dir} (fingerprint {found}) is not the one that built "
+                    f"version {version_id} ({index.fingerprint})"
+                )
+            model = load_model(model_dir)
+            self._models = {index.fingerprint: model}  # keep only the model in use
+        dims = [v.index.d for v in index.views.values()]
+        if dims:
+            # Batches of blas_min_queries or more take the BLAS path; below, one scan per query.
+            faiss.cvar.distance_compute_blas_threshold = self.settings.blas_min_queries * min(dims)
+        serving = ServingVersion(index, model)
+        for name, view in index.views.items():
+            serving.batchers[name] = SearchBatcher(
+                view,
+                self.faiss_executor,
+                self.metrics,
+                self.settings.batch_max,
+                self.settings.batch_wait_ms / 1000.0,
+            )
+        return serving
+
+    async def refresh(self, force: bool = False) -> bool:
+        """Load the version CURRENT names if it is new; True when a swap happened."""
+        async with self._lock:
+            version_id = artifact.read_current(self.root)
+            if version_id is None:
+                return False
+            if self.current is not None and self.current.version == version_id:
+                return False
+            if version_id in self.rejected and not force:
+                return False
+            try:
+                serving = await asyncio.get_running_loop().run_in_executor(
+                    None, self._open, version_id
+                )
+            except VersionRejected as exc:
+                self.rejected[version_id] = exc.message
+                self.metrics.reloads.labels(outcome="rejected").inc()
+                log.error(
+                    "%s; still serving %s",
+                    exc.message,
+                    self.current.version if self.current else "nothing",
+                )
+                raise
+            old = self.current
+            self.current = serving
+            self.rejected.pop(version_id, None)
+            self.metrics.set_version(version_id)
+            self.metrics.reloads.labels(outcome="loaded").inc()
+            log.info("serving version %s (was %s)", version_id, old.version if old else "none")
+            return True
+
+    async def poll_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except VersionRejected:
+                pass
+            except Exception:  # the poller must survive anything a bad root throws at it
+                log.exception("checking %s for a new version failed", self.root)
+            await asyncio.sleep(self.settings.poll_interval_s)

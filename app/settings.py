@@ -1,0 +1,44 @@
+"""Service settings: one pydantic-settings class read from HCLIP_* environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HCLIP_", env_file=None, extra="ignore")
+
+    root: Path = Field(Path("data/index"), description="index root (DESIGN §5)")
+    redis_url: str | None = Field(None, description="unset: an in-process LRU cache")
+    admin_token: str | None = Field(None, description="bearer token for /v1/admin/*; unset: off")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    max_k: int = Field(100, ge=1, le=10_000)
+    default_k: int = Field(10, ge=1)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_embed_inputs: int = Field(64, ge=1)
+
+    cache_ttl_s: int = Field(300, ge=1)
+    cache_max_items: int = Field(10_000, ge=1, description="in-process cache size")
+    redis_timeout_s: float = Field(0.05, gt=0, description="per Redis call; slower counts as down")
+    redis_retry_s: float = Field(1.0, gt=0, description="after a Redis failure, skip it this long")
+    cache_prefix: str = "hclip:v1"
+
+    poll_interval_s: float = Field(2.0, gt=0, description="how often CURRENT is checked")
+    verify_on_load: bool = True
+
+    batch_max: int = Field(64, ge=1, description="queries gathered into one FAISS call")
+    batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")
+    faiss_threads: int = Field(1, ge=1)
+    torch_threads: int = Field(1, ge=1)
+    blas_min_queries: int = Field(3, ge=1, description="batches this large go through BLAS")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

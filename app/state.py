@@ -1,0 +1,41 @@
+"""What the lifespan handler builds and the handlers receive through Depends."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.cache import Cache
+from app.errors import NotReady
+from app.metrics import Metrics
+from app.serving import ServingVersion, VersionManager
+from app.settings import Settings
+
+
+@dataclass
+class AppState:
+    settings: Settings
+    metrics: Metrics
+    cache: Cache
+    versions: VersionManager
+    encode_executor: ThreadPoolExecutor
+    faiss_executor: ThreadPoolExecutor
+
+
+def get_state(request: Request) -> AppState:
+    state: AppState = request.app.state.hclip
+    return state
+
+
+def get_serving(request: Request) -> ServingVersion:
+    serving = get_state(request).versions.current
+    if serving is None:
+        raise NotReady("no index version is loaded yet")
+    return serving
+
+
+State = Annotated[AppState, Depends(get_state)]
+Serving = Annotated[ServingVersion, Depends(get_serving)]

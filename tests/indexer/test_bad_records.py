@@ -1,0 +1,158 @@
+"""Bad records name their line and id; nothing is published unless --skip-bad leaves them out."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from indexer import artifact
+from tests.conftest import make_model_dir, run_cli, write_jsonl
+
+MODS = {
+    "image": {"kind": "image", "image_size": 8, "hidden": 8},
+    "audio": {"kind": "audio", "max_seconds": 0.1, "hidden": 8},
+    "vec": {"kind": "vector", "dim": 3, "hidden": 8},
+}
+
+
+@pytest.fixture
+def mm_model(tmp_path: Path) -> Path:
+    from models.checkpoint import save_model
+    from models.config import ModelConfig
+    from models.model import MultimodalModel
+
+    cfg = ModelConfig.from_dict({"modalities": MODS, "latent_dim": 4})
+    return save_model(MultimodalModel(cfg), tmp_path / "mm")
+
+
+def good(i: int) -> dict:
+    from tests.models.test_inputs import data_uri, png_bytes, wav_bytes
+
+    return {
+        "id": f"g{i}",
+        "image": data_uri("image/png", png_bytes()),
+        "audio": data_uri("audio/wav", wav_bytes(seconds=0.05)),
+        "vec": [i, 1.0, 2.0],
+    }
+
+
+CASES = [
+    (lambda r: r.update(id="g1"), "line 3, id 'g1': duplicate id, first seen on line 2"),
+    (lambda r: r.update(image="pics/nope.png"), "line 3, id 'g2': image: image file not found"),
+    (
+        lambda r: r.update(image="data:image/png;base64," + base64.b64encode(b"junk").decode()),
+        "line 3, id 'g2': image: image could not be decoded",
+    ),
+    (
+        lambda r: r.update(audio="data:audio/wav;base64," + base64.b64encode(b"RIFFjunk").decode()),
+        "line 3, id 'g2': audio: audio could not be decoded",
+    ),
+    (lambda r: r.update(vec=[1.0, 2.0]), "line 3, id 'g2': vec: vector must have length 3, got 2"),
+    (lambda r: r.update(vec=[1.0, 1e309, 2.0]), "line 3, id 'g2': not valid JSON (Infinity"),
+    (lambda r: r.update(smell="roses"), "line 3, id 'g2': unknown modality 'smell'"),
+    (lambda r: r.update(payload=[1]), "line 3, id 'g2': 'payload' must be a JSON object"),
+    (lambda r: r.update(id=7), "line 3: 'id' must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "message"), CASES)
+def test_bad_record_fails_the_build_and_publishes_nothing(
+    tmp_path: Path, mm_model: Path, capsys, mutate, message: str
+) -> None:
+    rows = [good(i) for i in range(4)]
+    mutate(rows[2])
+    write_jsonl(tmp_path / "r.jsonl", rows)
+    root = tmp_path / "root"
+    assert (
+        run_cli(
+            "index",
+            "build",
+            "--model",
+            mm_model,
+            "--records",
+            tmp_path / "r.jsonl",
+            "--root",
+            root,
+            "--quiet",
+        )
+        == 2
+    )
+    assert message in capsys.readouterr().err
+    assert artifact.read_current(root) is None
+    assert artifact.list_versions(root) == []
+    assert not any((root / artifact.STAGING).iterdir())
+
+
+def test_nan_literal_names_the_line(tmp_path: Path, mm_model: Path, capsys) -> None:
+    lines = [json.dumps(good(0)), json.dumps(good(1)).replace('"vec": [1, ', '"vec": [NaN, ')]
+    (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
+    assert (
+        run_cli(
+            "index",
+            "build",
+            "--model",
+            mm_model,
+            "--records",
+            tmp_path / "r.jsonl",
+            "--root",
+            tmp_path / "root",
+            "--quiet",
+        )
+        == 2
+    )
+    assert "line 2, id 'g1': not valid JSON (NaN is not valid JSON)" in capsys.readouterr().err
+
+
+def test_skip_bad_reports_and_leaves_them_out(tmp_path: Path, mm_model: Path, capsys) -> None:
+    rows = [good(i) for i in range(6)]
+    rows[2]["vec"] = [1.0]
+    rows[4]["smell"] = "roses"
+    rows[5]["id"] = "g0"
+    write_jsonl(tmp_path / "r.jsonl", rows)
+    root = tmp_path / "root"
+    assert (
+        run_cli(
+            "index",
+            "build",
+            "--model",
+            mm_model,
+            "--records",
+            tmp_path / "r.jsonl",
+            "--root",
+            root,
+            "--quiet",
+            "--skip-bad",
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "rejected line 3 id 'g2': vec: vector must have length 3" in out
+    assert "rejected line 5 id 'g4': unknown modality 'smell'" in out
+    assert "rejected line 6 id 'g0': duplicate id, first seen on line 1" in out
+    m = artifact.read_manifest(artifact.current_version_dir(root))
+    assert m["counts"] == {
+        "records": 3,
+        "by_modality": {"audio": 3, "image": 3, "vec": 3},
+        "rejected": 3,
+    }
+
+
+def test_vector_model_with_a_missing_records_file(tmp_path: Path, capsys) -> None:
+    model = make_model_dir(tmp_path / "m")
+    assert (
+        run_cli(
+            "index",
+            "build",
+            "--model",
+            model,
+            "--records",
+            tmp_path / "none.jsonl",
+            "--root",
+            tmp_path / "root",
+        )
+        == 2
+    )
+    assert "records file not found" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""A build killed with SIGKILL leaves the published version alone; list, verify and gc."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from indexer import artifact
+from indexer.reader import verify
+from tests.conftest import DIMS, make_model_dir, run_cli, vector_records, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def build(model: Path, records: Path, root: Path, *extra: str) -> int:
+    return run_cli(
+        "index", "build", "--model", model, "--records", records, "--root", root, "--quiet", *extra
+    )
+
+
+@pytest.mark.parametrize("stage_reached", ["encoding", "views"])
+def test_sigkill_during_build_leaves_previous_version_published(
+    tmp_path: Path, stage_reached: str
+) -> None:
+    model = make_model_dir(tmp_path / "m")
+    write_jsonl(tmp_path / "small.jsonl", vector_records(50, DIMS))
+    write_jsonl(tmp_path / "big.jsonl", vector_records(30000, DIMS, seed=1))
+    root = tmp_path / "root"
+    assert build(model, tmp_path / "small.jsonl", root) == 0
+    published = artifact.read_current(root)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "index",
+            "build",
+            "--model",
+            str(model),
+            "--records",
+            str(tmp_path / "big.jsonl"),
+            "--root",
+            str(root),
+            "--quiet",
+            "--batch-size",
+            "64",
+            "--spec",
+            "hnsw:M=8,ef_construction=40",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    target = "embeddings/a.npy" if stage_reached == "encoding" else "views/a.rows.npy"
+    staged: list[Path] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        staged = list((root / artifact.STAGING).glob(f"*/{target}"))
+        if staged and staged[0].stat().st_size > 0:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, "the build finished before it could be killed; grow the input"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert staged, "never saw the staged files"
+    # the dead build left its staging directory, and nothing else changed
+    assert artifact.read_current(root) == published
+    assert [v["version"] for v in artifact.list_versions(root)] == [published]
+    assert verify(artifact.version_dir(root, published)) == []
+    assert run_cli("index", "verify", "--root", root) == 0
+    # the next run cleans up what the dead one left, then publishes
+    assert build(model, tmp_path / "small.jsonl", root) == 0
+    assert list((root / artifact.STAGING).iterdir()) == []
+    assert artifact.read_current(root) != published
+
+
+def test_verify_detects_tampering(tmp_path: Path, capsys) -> None:
+    model = make_model_dir(tmp_path / "m")
+    write_jsonl(tmp_path / "r.jsonl", vector_records(80, DIMS))
+    root = tmp_path / "root"
+    assert build(model, tmp_path / "r.jsonl", root) == 0
+    vdir = artifact.current_version_dir(root)
+    faiss_file = vdir / "views" / "a.faiss"
+    data = bytearray(faiss_file.read_bytes())
+    data[-3] ^= 0xFF
+    faiss_file.write_bytes(bytes(data))
+    assert run_cli("index", "verify", "--root", root) == 1
+    assert "views/a.faiss: checksum mismatch" in capsys.readouterr().out
+    (vdir / "stray.txt").write_text("x")
+    faiss_file.unlink()
+    assert run_cli("index", "verify", "--root", root) == 1
+    out = capsys.readouterr().out
+    assert "views/a.faiss: missing" in out and "stray.txt: not listed" in out
+
+
+def test_list_and_gc_never_remove_the_published_version(tmp_path: Path, capsys) -> None:
+    model = make_model_dir(tmp_path / "m")
+    write_jsonl(tmp_path / "r.jsonl", vector_records(30, DIMS))
+    root = tmp_path / "root"
+    for _ in range(4):
+        assert build(model, tmp_path / "r.jsonl", root) == 0
+    versions = [v["version"] for v in artifact.list_versions(root)]
+    assert versions == sorted(versions) and len(versions) == 4
+    # publish an older version again (a rollback): gc must keep it
+    artifact.write_current(root, versions[0])
+    assert run_cli("index", "gc", "--root", root, "--keep", "2") == 0
+    left = [v["version"] for v in artifact.list_versions(root)]
+    assert left == [versions[0], versions[2], versions[3]]
+    assert run_cli("index", "list", "--root", root) == 0
+    out = capsys.readouterr().out
+    assert f"* {versions[0]}" in out
+    assert run_cli("index", "gc", "--root", root, "--keep", "0") == 2
+
+
+def test_a_second_writer_is_refused_while_one_holds_the_lock(tmp_path: Path, capsys) -> None:
+    model = make_model_dir(tmp_path / "m")
+    write_jsonl(tmp_path / "r.jsonl", vector_records(30, DIMS))
+    root = tmp_path / "root"
+    with artifact.root_lock(root):
+        assert build(model, tmp_path / "r.jsonl", root) == 2
+    assert "another build, update or gc is running" in capsys.readouterr().err

@@ -1,0 +1,167 @@
+"""Incremental updates: equal to a full rebuild, re-encoding only what changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from indexer import artifact
+from indexer.reader import LoadedVersion, verify
+from models.model import MultimodalModel
+from tests.conftest import DIMS, make_model_dir, run_cli, vector_records, write_jsonl
+
+
+@pytest.fixture
+def encoded_items(monkeypatch) -> list[int]:
+    """Counts the inputs that go through any encoder."""
+    calls: list[int] = []
+    original = MultimodalModel.encode
+
+    def counting(self, modality, items):
+        calls.append(len(items))
+        return original(self, modality, items)
+
+    monkeypatch.setattr(MultimodalModel, "encode", counting)
+    return calls
+
+
+def by_id(version: LoadedVersion) -> dict[str, dict[str, np.ndarray]]:
+    return {
+        r["id"]: {n: np.asarray(version.stored.embeddings[n][i]) for n in r["modalities"]}
+        for i, r in enumerate(version.records)
+    }
+
+
+def test_update_equals_full_rebuild_and_encodes_only_upserts(tmp_path: Path, encoded_items) -> None:
+    base = vector_records(300, DIMS, seed=0, k=40)
+    changed = vector_records(40, DIMS, seed=7, k=40)  # ids r-00000..r-00039: replacements
+    for r in changed[:10]:
+        r.pop("b")
+    new = [dict(r, id=f"new-{i}") for i, r in enumerate(vector_records(25, DIMS, seed=8, k=40))]
+    deleted = [f"r-{i:05d}" for i in range(100, 130)] + ["never-existed"]
+    write_jsonl(tmp_path / "base.jsonl", base)
+    write_jsonl(tmp_path / "upsert.jsonl", changed + new)
+    (tmp_path / "delete.txt").write_text("\n".join(deleted) + "\n")
+    model_dir = make_model_dir(tmp_path / "m")
+    root, full = tmp_path / "root", tmp_path / "full"
+
+    assert (
+        run_cli(
+            "index",
+            "build",
+            "--model",
+            model_dir,
+            "--records",
+            tmp_path / "base.jsonl",
+            "--root",
+            root,
+            "--quiet",
+        )
+        == 0
+    )
+    first = artifact.read_current(root)
+    encoded_items.clear()
+    assert (
+        run_cli(
+            "index",
+            "update",
+            "--root",
+            root,
+            "--upsert",
+            tmp_path / "upsert.jsonl",
+            "--delete",
+            tmp_path / "delete.txt",
+            "--quiet",
+        )
+        == 0
+    )
+    # only the 65 upserted records went through the encoders, modality by modality
+    assert sum(encoded_items) == 65 * 3 - 10
+
+    gone = set(deleted)
+    replaced = {r["id"] for r in changed}
+    final = [r for r in base if r["id"] not in gone and r["id"] not in replaced] + changed + new
+    write_jsonl(tmp_path / "final.jsonl", final)
+    assert (
+        run_cli(
+            "index",
+            "build",
+            "--model",
+            model_dir,
+            "--records",
+            tmp_path / "final.jsonl",
+            "--root",
+            full,
+            "--quiet",
+        )
+        == 0
+    )
+
+    upd = LoadedVersion(artifact.current_version_dir(root))
+    ref = LoadedVersion(artifact.current_version_dir(full))
+    assert upd.manifest["parent"] == first
+    assert upd.manifest["update"]["deleted_not_found"] == ["never-existed"]
+    a, b = by_id(upd), by_id(ref)
+    assert a.keys() == b.keys() and not (a.keys() & gone)
+    for rid in a:
+        assert a[rid].keys() == b[rid].keys()
+        for n in a[rid]:
+            assert np.allclose(a[rid][n], b[rid][n], atol=1e-6), (rid, n)
+    xq = np.random.default_rng(0).standard_normal((20, 8)).astype(np.float32)
+    for name in ref.views:
+        s1, r1 = upd.views[name].search(xq, 10)
+        s2, r2 = ref.views[name].search(xq, 10)
+        ids1 = [[upd.records[i]["id"] for i in row] for row in r1]
+        ids2 = [[ref.records[i]["id"] for i in row] for row in r2]
+        assert ids1 == ids2 and np.allclose(s1, s2, atol=1e-5)
+        assert not {i for row in ids1 for i in row} & gone
+    assert verify(upd.path) == []
+
+
+def test_update_refuses_a_different_model(tmp_path: Path, capsys) -> None:
+    write_jsonl(tmp_path / "r.jsonl", vector_records(50, DIMS))
+    m1 = make_model_dir(tmp_path / "m1", seed=0)
+    m2 = make_model_dir(tmp_path / "m2", seed=1)
+    root = tmp_path / "root"
+    assert (
+        run_cli(
+            "index",
+            "build",
+            "--model",
+            m1,
+            "--records",
+            tmp_path / "r.jsonl",
+            "--root",
+            root,
+            "--quiet",
+        )
+        == 0
+    )
+    before = artifact.read_current(root)
+    assert (
+        run_cli(
+            "index",
+            "update",
+            "--root",
+            root,
+            "--model",
+            m2,
+            "--upsert",
+            tmp_path / "r.jsonl",
+            "--quiet",
+        )
+        == 2
+    )
+    assert "differs from the one that built" in capsys.readouterr().err
+    assert artifact.read_current(root) == before
+    assert len(artifact.list_versions(root)) == 1
+
+
+def test_update_without_a_published_version(tmp_path: Path, capsys) -> None:
+    (tmp_path / "d.txt").write_text("x\n")
+    assert (
+        run_cli("index", "update", "--root", tmp_path / "root", "--delete", tmp_path / "d.txt") == 2
+    )
+    assert "no published version" in capsys.readouterr().err
