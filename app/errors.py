@@ -34,10 +34,6 @@ class Unauthorized(ApiError):
     status, error_type = 401, "unauthorized"
 
 
-class PayloadTooLarge(ApiError):
-    status, error_type = 413, "payload_too_large"
-
-
 class NotReady(ApiError):
     status, error_type = 503, "not_ready"
 

@@ -8,7 +8,6 @@ from typing import Any
 import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import PayloadTooLarge
 from app.metrics import Metrics
 
 
@@ -55,17 +54,25 @@ class BodyLimitMiddleware:
                 await self._reject(send)
                 return
         seen = 0
+        rejected = False
 
         async def limited_receive() -> Message:
-            nonlocal seen
+            nonlocal seen, rejected
             message = await receive()
-            if message["type"] == "http.request":
+            if message["type"] == "http.request" and not rejected:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise PayloadTooLarge(f"request body over {self.max_bytes} bytes")
+                    # Answer 413 now and tell the app the client left, so it stops reading.
+                    rejected = True
+                    await self._reject(send)
+                    return {"type": "http.disconnect"}
             return message
 
-        await self.app(scope, limited_receive, send)
+        async def guarded_send(message: Message) -> None:
+            if not rejected:  # once the 413 is out, whatever the app says goes nowhere
+                await send(message)
+
+        await self.app(scope, limited_receive, guarded_send)
 
     async def _reject(self, send: Send) -> None:
         body = orjson.dumps(
