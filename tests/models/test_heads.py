@@ -31,7 +31,7 @@ def naive_phi(kind: str, head, embs: dict[str, torch.Tensor]) -> torch.Tensor:
             out[row] = (head.omega.double() * prod).sum()
         else:
             out[row] = sum(float(embs[a][row] @ embs[b][row]) for a, b in combinations(names, 2))
-            out[row] *= float(head.scale)
+            out[row] *= float(head.scale.detach())
     return out
 
 
