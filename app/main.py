@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             retry_s=settings.redis_retry_s,
             metrics=metrics,
         )
-        versions = VersionManager(settings, metrics, faiss_executor)
+        versions = VersionManager(settings, metrics, faiss_executor, encode_executor)
         app.state.hclip = AppState(
             settings, metrics, cache, versions, encode_executor, faiss_executor
         )

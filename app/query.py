@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
-from concurrent.futures import Executor
 from typing import Any
 
 import numpy as np
@@ -47,16 +45,6 @@ def check_embedding(modality: str, value: Any, d: int) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32)
 
 
-def _encode_one(model: MultimodalModel, modality: str, value: Any) -> np.ndarray:
-    """Blocking: decode and encode one raw input; (d,) float32."""
-    try:
-        item = decode(value, model.cfg.modalities[modality], base_dir=None)
-    except InputError as exc:
-        raise InvalidInput(f"query.{modality}: {exc}") from None
-    with torch.no_grad():
-        return model.encode(modality, [item])[0].numpy().astype(np.float32)
-
-
 async def encode_raw(
     serving: ServingVersion,
     modality: str,
@@ -64,7 +52,6 @@ async def encode_raw(
     cache: Cache,
     prefix: str,
     ttl_s: int,
-    executor: Executor,
     metrics: Metrics,
 ) -> torch.Tensor:
     """One query embedding, from the cache (keyed by model fingerprint and input) or encoded."""
@@ -76,8 +63,7 @@ async def encode_raw(
         metrics.cache.labels(kind="embedding", outcome="hit").inc()
         return torch.from_numpy(np.frombuffer(cached, dtype=np.float32).copy())
     metrics.cache.labels(kind="embedding", outcome="miss").inc()
-    loop = asyncio.get_running_loop()
-    emb = await loop.run_in_executor(executor, _encode_one, serving.model, modality, value)
+    emb = await serving.encoders[modality].submit(value)
     await cache.set(key, emb.tobytes(), ttl_s)
     return torch.from_numpy(emb)
 

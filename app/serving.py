@@ -12,10 +12,12 @@ import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import faiss
+import numpy as np
 
-from app.batching import SearchBatcher
+from app.batching import MicroBatcher, SearchResult, encode_batcher, search_batcher
 from app.errors import VersionRejected
 from app.metrics import Metrics
 from app.settings import Settings
@@ -31,7 +33,10 @@ log = logging.getLogger(__name__)
 class ServingVersion:
     index: LoadedVersion
     model: MultimodalModel
-    batchers: dict[str, SearchBatcher] = field(default_factory=dict)
+    searchers: dict[str, MicroBatcher[tuple[np.ndarray, int], SearchResult]] = field(
+        default_factory=dict
+    )  # one per view
+    encoders: dict[str, MicroBatcher[Any, np.ndarray]] = field(default_factory=dict)
 
     @property
     def version(self) -> str:
@@ -43,8 +48,15 @@ class ServingVersion:
 
 
 class VersionManager:
-    def __init__(self, settings: Settings, metrics: Metrics, faiss_executor: Executor):
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        faiss_executor: Executor,
+        encode_executor: Executor,
+    ):
         self.settings = settings
+        self.encode_executor = encode_executor
         self.root = Path(settings.root)
         self.metrics = metrics
         self.faiss_executor = faiss_executor
@@ -83,13 +95,18 @@ class VersionManager:
             # Batches of blas_min_queries or more take the BLAS path; below, one scan per query.
             faiss.cvar.distance_compute_blas_threshold = self.settings.blas_min_queries * min(dims)
         serving = ServingVersion(index, model)
+        wait_s = self.settings.batch_wait_ms / 1000.0
         for name, view in index.views.items():
-            serving.batchers[name] = SearchBatcher(
+            serving.searchers[name] = search_batcher(
                 view,
                 self.faiss_executor,
-                self.metrics,
                 self.settings.batch_max,
-                self.settings.batch_wait_ms / 1000.0,
+                wait_s,
+                self.metrics.batch_size.observe,
+            )
+        for name in model.names:
+            serving.encoders[name] = encode_batcher(
+                model, name, self.encode_executor, self.settings.batch_max, wait_s
             )
         return serving
 

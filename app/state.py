@@ -25,13 +25,15 @@ class AppState:
     faiss_executor: ThreadPoolExecutor
 
 
-def get_state(request: Request) -> AppState:
+async def get_state(request: Request) -> AppState:
     state: AppState = request.app.state.hclip
     return state
 
 
-def get_serving(request: Request) -> ServingVersion:
-    serving = get_state(request).versions.current
+async def get_serving(request: Request) -> ServingVersion:
+    # async: FastAPI runs plain-def dependencies on a thread pool, a hop per request.
+    state: AppState = request.app.state.hclip
+    serving = state.versions.current
     if serving is None:
         raise NotReady("no index version is loaded yet")
     return serving

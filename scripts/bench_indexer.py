@@ -3,8 +3,9 @@ against the bare encoders. Prints figures; it is not a test (this machine is sha
 
     python scripts/bench_indexer.py [--sizes 10000 100000] [--batch-sizes 64 1024]
 
-Each build runs as its own `hclip index build` process, and its peak RSS comes from wait4(), so
-the figures are that process's alone.
+Each build runs as its own `hclip index build` process, and its peak RSS comes from wait4().
+Linux counts a child's resident set from before its exec too, so this parent stays small: it
+never imports torch, and the model and the bare-encoder timing run in child processes as well.
 """
 
 from __future__ import annotations
@@ -19,11 +20,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
-
-from models.checkpoint import load_model, save_model
-from models.config import ModelConfig
-from models.model import MultimodalModel
 
 DIMS = {"image": 64, "audio": 64, "text": 64}  # `vector` features standing in for backbones
 
@@ -43,6 +39,12 @@ def write_records(path: Path, n: int, seed: int = 0) -> None:
 
 
 def make_model(path: Path) -> Path:
+    import torch
+
+    from models.checkpoint import save_model
+    from models.config import ModelConfig
+    from models.model import MultimodalModel
+
     cfg = ModelConfig.from_dict(
         {
             "modalities": {k: {"kind": "vector", "dim": d} for k, d in DIMS.items()},
@@ -82,6 +84,11 @@ def run_build(model: Path, records: Path, root: Path, batch: int) -> dict[str, f
 
 def bare_encoder_rate(model_dir: Path, n: int, batch: int) -> float:
     """Records/s through the three encoders alone, inputs already decoded in memory."""
+    import torch
+
+    from models.checkpoint import load_model
+
+    torch.set_num_threads(1)
     model = load_model(model_dir)
     rng = np.random.default_rng(1)
     x = {
@@ -103,11 +110,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench-out/indexer.json"))
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = make_model(work / "model")
+        _child("make_model", str(work / "model"))
+        model = work / "model"
         baseline = run_build(model, _records(work, 10), work / "warm", 64)  # interpreter + torch
         print(f"process baseline (10 records): peak RSS {baseline['peak_rss_mb']:.0f} MB")
         print(
@@ -118,7 +125,7 @@ def main() -> None:
             records = _records(work, n)
             for batch in args.batch_sizes:
                 r = run_build(model, records, work / f"root-{n}-{batch}", batch)
-                bare = bare_encoder_rate(model, n, batch)
+                bare = float(_child("bare_encoder_rate", str(model), str(n), str(batch)))
                 row = {
                     "records": n,
                     "batch": batch,
@@ -135,6 +142,23 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"baseline": baseline, "runs": rows}, indent=2) + "\n")
     print(f"figures in {args.out}")
+
+
+def _child(func: str, *args: str) -> str:
+    """Run one of this module's functions in a fresh interpreter; its printed result back."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+        f"import bench_indexer as b; from pathlib import Path; a = sys.argv[1:]; "
+        f"print(b.{func}(Path(a[0]), *map(int, a[1:])))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=os.environ,
+    )
+    return out.stdout.strip().splitlines()[-1]
 
 
 def _records(work: Path, n: int) -> Path:

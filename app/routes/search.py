@@ -62,7 +62,6 @@ async def _query_vector(
                 state.cache,
                 s.cache_prefix,
                 s.cache_ttl_s,
-                state.encode_executor,
                 state.metrics,
             )
             for m, v in body.query.items()
@@ -82,10 +81,10 @@ async def search(body: SearchBody, state: State, serving: Serving) -> JSONRespon
         raise InvalidInput(f"k: must be between 1 and {s.max_k}, got {k}")
     modalities = _modalities(body, serving)
     view_name = "+".join(modalities)
-    batcher = serving.batchers.get(view_name)
-    if batcher is None:
+    searcher = serving.searchers.get(view_name)
+    if searcher is None:
         raise InvalidInput(
-            f"no index for query modalities {view_name!r} (views: {', '.join(serving.batchers)})"
+            f"no index for query modalities {view_name!r} (views: {', '.join(serving.searchers)})"
         )
     key = (
         f"{s.cache_prefix}:res:{serving.version}:"
@@ -97,7 +96,7 @@ async def search(body: SearchBody, state: State, serving: Serving) -> JSONRespon
         return JSONResponse({**orjson.loads(hit), "cached": True})
     state.metrics.cache.labels(kind="result", outcome="miss").inc()
     xq = await _query_vector(state, serving, body, modalities)
-    scores, rows = await batcher.search(xq, k)
+    scores, rows = await searcher.submit((xq, k))
     records = serving.index.records
     results = [
         {"id": records[r]["id"], "score": float(sc), "payload": records[r]["payload"]}

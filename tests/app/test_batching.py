@@ -1,0 +1,83 @@
+"""Micro-batching: concurrent submissions share one call; each gets its own result or error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from app.batching import MicroBatcher, search_batcher
+from indexer.reader import View
+from indexer.specs import IndexSpec
+
+
+def test_concurrent_submissions_are_gathered() -> None:
+    calls: list[list[int]] = []
+
+    def run(items: list[int]) -> list[int | Exception]:
+        calls.append(items)
+        time.sleep(0.05)  # a slow call: the others queue up meanwhile
+        return [ValueError(f"bad {i}") if i == 13 else i * 10 for i in items]
+
+    async def main() -> list[object]:
+        b = MicroBatcher(run, ThreadPoolExecutor(1), max_batch=8, wait_s=0.0)
+        return await asyncio.gather(*(b.submit(i) for i in range(20)), return_exceptions=True)
+
+    results = asyncio.run(main())
+    assert [len(c) for c in calls] == [8, 8, 4]  # those queued while a call runs go together
+    assert sorted(sum(calls, [])) == list(range(20))
+    assert results[:13] == [i * 10 for i in range(13)] and results[14] == 140
+    assert isinstance(results[13], ValueError)  # only the bad item fails
+
+
+def test_a_failing_call_fails_its_whole_batch_only() -> None:
+    def run(items: list[int]) -> list[int | Exception]:
+        if 3 in items:
+            raise RuntimeError("boom")
+        return list(items)
+
+    async def main() -> list[object]:
+        b = MicroBatcher(run, None, max_batch=4, wait_s=0.0)
+        first = await asyncio.gather(*(b.submit(i) for i in (3, 4)), return_exceptions=True)
+        return [*first, await b.submit(5)]
+
+    r = asyncio.run(main())
+    assert isinstance(r[0], RuntimeError) and isinstance(r[1], RuntimeError) and r[2] == 5
+
+
+def test_search_batches_equal_one_by_one_searches() -> None:
+    import faiss
+
+    rng = np.random.default_rng(0)
+    xb = rng.standard_normal((500, 6)).astype(np.float32)
+    index = faiss.IndexFlatIP(6)
+    index.add(xb)
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), index, np.arange(500) * 2)
+    sizes: list[int] = []
+    xq = rng.standard_normal((12, 6)).astype(np.float32)
+
+    async def main() -> list:
+        b = search_batcher(view, ThreadPoolExecutor(1), 64, 0.002, sizes.append)
+        return await asyncio.gather(*(b.submit((xq[i], 3 + i % 4)) for i in range(12)))
+
+    got = asyncio.run(main())
+    assert sum(sizes) == 12 and len(sizes) < 12
+    for i, (scores, rows) in enumerate(got):
+        k = 3 + i % 4
+        order = np.argsort(-(xb @ xq[i]))[:k]
+        assert rows.tolist() == (order * 2).tolist()
+        assert np.allclose(scores, (xb @ xq[i])[order], atol=1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 500, 600])
+def test_k_beyond_the_view_returns_what_there_is(k: int) -> None:
+    import faiss
+
+    index = faiss.IndexFlatIP(2)
+    index.add(np.eye(2, dtype=np.float32))
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), index, np.array([7, 9]))
+    scores, rows = view.search(np.array([[1.0, 0.5]], dtype=np.float32), k)
+    assert rows.tolist() == [[7, 9][: min(k, 2)]]
