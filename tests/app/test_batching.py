@@ -28,7 +28,7 @@ def test_concurrent_submissions_are_gathered() -> None:
 
     results = asyncio.run(main())
     assert [len(c) for c in calls] == [8, 8, 4]  # those queued while a call runs go together
-    assert sorted(sum(calls, [])) == list(range(20))
+    assert sorted(i for c in calls for i in c) == list(range(20))
     assert results[:13] == [i * 10 for i in range(13)] and results[14] == 140
     assert isinstance(results[13], ValueError)  # only the bad item fails
 
@@ -79,5 +79,5 @@ def test_k_beyond_the_view_returns_what_there_is(k: int) -> None:
     index = faiss.IndexFlatIP(2)
     index.add(np.eye(2, dtype=np.float32))
     view = View("a", ("a",), ("b",), IndexSpec("flat"), index, np.array([7, 9]))
-    scores, rows = view.search(np.array([[1.0, 0.5]], dtype=np.float32), k)
+    _, rows = view.search(np.array([[1.0, 0.5]], dtype=np.float32), k)
     assert rows.tolist() == [[7, 9][: min(k, 2)]]
