@@ -38,7 +38,7 @@ class MicroBatcher(Generic[T, R]):
     def __init__(
         self,
         run_batch: Callable[[list[T]], Sequence[R | Exception]],
-        executor: Executor,
+        executor: Executor | None,
         max_batch: int,
         wait_s: float,
         on_batch: Callable[[int], None] | None = None,

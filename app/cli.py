@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_arguments(serve)
     serve.set_defaults(func=serve_cli.run)
 
+    from app.demo import cli as demo_cli
+
+    demo = sub.add_parser("demo", help="digits shown, spoken and written: build, then serve")
+    demo_cli.add_arguments(demo)
+    demo.set_defaults(func=demo_cli.run)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     expr = bench_sub.add_parser("expressivity", help="H-CLIP vs sum-of-pairs on 3-way interactions")
@@ -45,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from app.demo.data import DemoError
     from indexer.cli import USER_ERRORS as INDEX_ERRORS
     from models.inputs import InputError
     from models.train_cli import USER_ERRORS
@@ -56,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except (*USER_ERRORS, *INDEX_ERRORS, InputError) as exc:
+    except (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError) as exc:
         print(f"hclip {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -17,7 +17,7 @@ from app.cache import make_cache
 from app.metrics import Metrics
 from app.middleware import BodyLimitMiddleware, MetricsMiddleware
 from app.responses import JSONResponse
-from app.routes import ops, records, search
+from app.routes import ops, page, records, search
 from app.serving import VersionManager
 from app.settings import Settings, get_settings
 from app.state import AppState
@@ -70,4 +70,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     for module in (ops, search, records):
         app.include_router(module.router)
+    page.install(app, settings.media_dir)
     return app

@@ -31,6 +31,7 @@ class Settings(BaseSettings):
 
     poll_interval_s: float = Field(2.0, gt=0, description="how often CURRENT is checked")
     verify_on_load: bool = True
+    media_dir: Path | None = Field(None, description="demo media served under /media")
 
     batch_max: int = Field(64, ge=1, description="queries gathered into one FAISS call")
     batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")

@@ -56,11 +56,13 @@ class ModalityConfig:
     kind: str
     dim: int | None = None  # vector: input length
     hidden: int = 256  # width of the trainable layers before the projection
+    conv_width: int = 32  # image, audio: channels of the first conv block (the second has 2x)
     image_size: int = 32  # image: inputs are resized to image_size x image_size
     channels: int = 1  # image: 1 (grey) or 3 (RGB)
     sample_rate: int = 16000  # audio: waveforms are resampled to this rate
     max_seconds: float = 1.0  # audio: clips are cropped or zero-padded to this length
     n_mels: int = 40  # audio
+    hop_ms: float = 10.0  # audio: spectrogram frame step
 
     @staticmethod
     def from_dict(obj: Any, path: str) -> ModalityConfig:
@@ -78,15 +80,17 @@ class ModalityConfig:
             kw["dim"] = _int(_req(obj, "dim", path + "."), f"{path}.dim")
         elif "dim" in obj:
             raise ConfigError(f"{path}.dim: only 'vector' modalities take a dim")
-        for name in ("hidden", "image_size", "sample_rate", "n_mels"):
+        for name in ("hidden", "image_size", "sample_rate", "n_mels", "conv_width"):
             if name in obj:
-                kw[name] = _int(obj[name], f"{path}.{name}", minimum=8 if name != "hidden" else 1)
+                low = 8 if name in ("image_size", "sample_rate", "n_mels") else 1
+                kw[name] = _int(obj[name], f"{path}.{name}", minimum=low)
         if "channels" in obj:
             kw["channels"] = _int(obj["channels"], f"{path}.channels")
             if kw["channels"] not in (1, 3):
                 raise ConfigError(f"{path}.channels: must be 1 or 3")
-        if "max_seconds" in obj:
-            kw["max_seconds"] = _float(obj["max_seconds"], f"{path}.max_seconds")
+        for name in ("max_seconds", "hop_ms"):
+            if name in obj:
+                kw[name] = _float(obj[name], f"{path}.{name}")
         return ModalityConfig(**kw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,8 +98,8 @@ class ModalityConfig:
         relevant = {
             "vector": ("dim", "hidden"),
             "text": ("hidden",),
-            "image": ("hidden", "image_size", "channels"),
-            "audio": ("hidden", "sample_rate", "max_seconds", "n_mels"),
+            "image": ("hidden", "image_size", "channels", "conv_width"),
+            "audio": ("hidden", "sample_rate", "max_seconds", "n_mels", "hop_ms", "conv_width"),
         }[self.kind]
         out: dict[str, Any] = {"kind": self.kind}
         for name in relevant:

@@ -84,19 +84,24 @@ def _conv_block(c_in: int, c_out: int) -> nn.Sequential:
     )
 
 
+def _cnn(c_in: int, width: int, hidden: int) -> nn.Sequential:
+    """Two conv blocks (width, 2 x width channels), pooled to 4 x 4, then a hidden layer."""
+    return nn.Sequential(
+        _conv_block(c_in, width),
+        _conv_block(width, 2 * width),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(2 * width * 16, hidden),
+        nn.GELU(),
+    )
+
+
 class ImageEncoder(Encoder):
     """A small CNN for small images (digits, thumbnails): two conv blocks, pooled to 4x4."""
 
     def __init__(self, cfg: ModalityConfig, latent_dim: int):
         super().__init__(cfg, cfg.hidden, latent_dim)
-        self.cnn = nn.Sequential(
-            _conv_block(cfg.channels, 32),
-            _conv_block(32, 64),
-            nn.AdaptiveAvgPool2d(4),
-            nn.Flatten(),
-            nn.Linear(64 * 16, cfg.hidden),
-            nn.GELU(),
-        )
+        self.cnn = _cnn(cfg.channels, cfg.conv_width, cfg.hidden)
 
     def features(self, batch: torch.Tensor) -> torch.Tensor:
         return self.cnn(batch)  # (B, hidden)
@@ -107,15 +112,8 @@ class AudioEncoder(Encoder):
 
     def __init__(self, cfg: ModalityConfig, latent_dim: int):
         super().__init__(cfg, cfg.hidden, latent_dim)
-        self.logmel = LogMel(cfg.sample_rate, cfg.n_mels)
-        self.cnn = nn.Sequential(
-            _conv_block(1, 32),
-            _conv_block(32, 64),
-            nn.AdaptiveAvgPool2d(4),
-            nn.Flatten(),
-            nn.Linear(64 * 16, cfg.hidden),
-            nn.GELU(),
-        )
+        self.logmel = LogMel(cfg.sample_rate, cfg.n_mels, hop_ms=cfg.hop_ms)
+        self.cnn = _cnn(1, cfg.conv_width, cfg.hidden)
 
     def features(self, batch: torch.Tensor) -> torch.Tensor:
         return self.cnn(self.logmel(batch))  # (B, hidden)

@@ -115,7 +115,11 @@ class HClipHead(Head):
 
     def __init__(self, names: Sequence[str], latent_dim: int):
         super().__init__(names, latent_dim)
-        self.weight = nn.Parameter(torch.ones(latent_dim))
+        # The product of m unit vectors sums to about d^((1-m)/2) where CLIP's inner product
+        # (m = 2) gives d^(-1/2); starting omega at d^((m-2)/2) gives the first logits CLIP's
+        # spread. With all ones, a three-way model sits on a plateau of near-uniform softmax.
+        init = float(latent_dim) ** ((len(self.names) - 2) / 2.0)
+        self.weight = nn.Parameter(torch.full((latent_dim,), init))
 
     @property
     def omega(self) -> torch.Tensor:

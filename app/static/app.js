@@ -1,0 +1,192 @@
+// The search page: plain JS against the public API; no build step.
+"use strict";
+
+const state = { info: null, examples: {}, query: {} };
+const $ = (sel) => document.querySelector(sel);
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "onclick" || k === "onchange" || k === "oninput") node[k] = v;
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c);
+  return node;
+}
+
+async function toDataURI(blob) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(blob);
+  });
+}
+
+// 16-bit PCM mono WAV from float samples: the service decodes WAV only.
+function wavBlob(samples, rate) {
+  const buf = new ArrayBuffer(44 + samples.length * 2);
+  const v = new DataView(buf);
+  const str = (o, s) => [...s].forEach((c, i) => v.setUint8(o + i, c.charCodeAt(0)));
+  str(0, "RIFF"); v.setUint32(4, 36 + samples.length * 2, true); str(8, "WAVE");
+  str(12, "fmt "); v.setUint32(16, 16, true); v.setUint16(20, 1, true); v.setUint16(22, 1, true);
+  v.setUint32(24, rate, true); v.setUint32(28, rate * 2, true); v.setUint16(32, 2, true);
+  v.setUint16(34, 16, true); str(36, "data"); v.setUint32(40, samples.length * 2, true);
+  samples.forEach((s, i) => v.setInt16(44 + i * 2, Math.max(-1, Math.min(1, s)) * 32767, true));
+  return new Blob([buf], { type: "audio/wav" });
+}
+
+function setValue(name, value, label) {
+  if (value === null) delete state.query[name]; else state.query[name] = value;
+  const box = document.getElementById(`mod-${name}`);
+  box.classList.toggle("active", value !== null);
+  box.querySelector(".chosen").textContent = value === null ? "not in the query" : label;
+  box.querySelectorAll(".selected").forEach((n) => n.classList.remove("selected"));
+}
+
+async function pickURL(name, url, label, node) {
+  const blob = await (await fetch(url)).blob();
+  setValue(name, await toDataURI(blob), label);
+  node.classList.add("selected");
+}
+
+function imageControls(name) {
+  const ex = el("div", { class: "examples" });
+  for (const item of state.examples.image || []) {
+    const img = el("img", { src: item.url, alt: `example ${item.label}`, title: item.label,
+                            "data-example": "image" });
+    img.onclick = () => pickURL(name, item.url, `example image (${item.label})`, img);
+    ex.append(img);
+  }
+  const file = el("input", { type: "file", accept: "image/*" });
+  file.onchange = async () => file.files[0] &&
+    setValue(name, await toDataURI(file.files[0]), `uploaded ${file.files[0].name}`);
+  return [ex, el("label", {}, "upload ", file)];
+}
+
+function audioControls(name) {
+  const ex = el("div", { class: "examples" });
+  for (const item of state.examples.audio || []) {
+    const b = el("button", { type: "button", "data-example": "audio" }, item.label);
+    b.onclick = () => { new Audio(item.url).play().catch(() => {}); pickURL(name, item.url, `clip "${item.label}"`, b); };
+    ex.append(b);
+  }
+  const file = el("input", { type: "file", accept: "audio/wav,.wav" });
+  file.onchange = async () => file.files[0] &&
+    setValue(name, await toDataURI(file.files[0]), `uploaded ${file.files[0].name}`);
+  const rec = el("button", { type: "button" }, "record");
+  rec.onclick = () => record(name, rec);
+  return [ex, el("label", {}, "upload WAV ", file), " ", rec];
+}
+
+async function record(name, button) {
+  if (!navigator.mediaDevices) { showError("recording needs a secure context and a microphone"); return; }
+  const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+  const chunks = [];
+  const recorder = new MediaRecorder(stream);
+  recorder.ondataavailable = (e) => chunks.push(e.data);
+  recorder.onstop = async () => {
+    stream.getTracks().forEach((t) => t.stop());
+    const ctx = new AudioContext();
+    const audio = await ctx.decodeAudioData(await new Blob(chunks).arrayBuffer());
+    setValue(name, await toDataURI(wavBlob(audio.getChannelData(0), audio.sampleRate)), "your recording");
+    button.textContent = "record";
+  };
+  recorder.start();
+  button.textContent = "recording… (1.5 s)";
+  setTimeout(() => recorder.stop(), 1500);
+}
+
+function textControls(name, kind) {
+  const ex = el("div", { class: "examples" });
+  for (const text of (kind === "text" && state.examples.text) || []) {
+    const b = el("button", { type: "button", "data-example": "text" }, text);
+    b.onclick = () => { input.value = text; setValue(name, text, `"${text}"`); b.classList.add("selected"); };
+    ex.append(b);
+  }
+  const input = el(kind === "vector" ? "textarea" : "input",
+                   { type: "text", placeholder: kind === "vector" ? "[0.1, 0.2, …]" : "type text" });
+  input.oninput = () => {
+    const raw = input.value.trim();
+    if (!raw) { setValue(name, null); return; }
+    if (kind === "vector") {
+      try { setValue(name, JSON.parse(raw), "a vector"); } catch { setValue(name, null); }
+    } else setValue(name, raw, `"${raw}"`);
+  };
+  return [ex, input];
+}
+
+function buildQueryForm() {
+  const holder = $("#modalities");
+  for (const [name, kind] of Object.entries(state.info.model.modalities)) {
+    const clear = el("button", { type: "button" }, "clear");
+    const box = el("div", { class: "modality", id: `mod-${name}` },
+      el("h3", {}, el("span", {}, `${name} `, el("small", {}, `(${kind})`)), clear),
+      el("div", { class: "chosen" }, "not in the query"));
+    clear.onclick = () => setValue(name, null);
+    const controls = kind === "image" ? imageControls(name)
+      : kind === "audio" ? audioControls(name) : textControls(name, kind);
+    controls.forEach((c) => box.append(c));
+    holder.append(box);
+  }
+}
+
+function showError(message) {
+  const e = $("#error");
+  e.textContent = message;
+  e.hidden = !message;
+}
+
+function renderResults(body) {
+  const list = $("#results");
+  list.replaceChildren();
+  $("#result-meta").textContent =
+    `view ${body.view}, version ${body.index_version}${body.cached ? ", from the cache" : ""}`;
+  for (const r of body.results) {
+    const p = r.payload || {};
+    const item = el("li", { class: "result" });
+    if (p.image_url) item.append(el("img", { src: p.image_url, alt: "image" }));
+    item.append(el("div", {}, el("span", { class: "score" }, r.score.toFixed(3)), ` ${r.id}`));
+    if (p.text) item.append(el("div", {}, `“${p.text}”`));
+    if (p.audio_url) item.append(el("audio", { controls: "", preload: "none", src: p.audio_url }));
+    if (p.digits) item.append(el("div", { class: "meta" },
+      Object.entries(p.digits).map(([k, v]) => `${k} ${v}`).join(" · ")));
+    list.append(item);
+  }
+}
+
+async function search() {
+  showError("");
+  const names = Object.keys(state.query);
+  if (names.length === 0) { showError("choose at least one modality"); return; }
+  $("#status").textContent = "searching…";
+  try {
+    const res = await fetch("/v1/search", {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ query: state.query, k: Number($("#k").value) || 10 }),
+    });
+    const body = await res.json();
+    if (!res.ok) { showError(`${body.error_type}: ${body.error}`); return; }
+    renderResults(body);
+  } catch (err) {
+    showError(String(err));
+  } finally {
+    $("#status").textContent = "";
+  }
+}
+
+async function main() {
+  const res = await fetch("/v1/info");
+  if (!res.ok) { $("#info").textContent = "no index loaded yet: reload in a moment"; return; }
+  state.info = await res.json();
+  const ex = await fetch("/v1/demo/examples");
+  if (ex.ok) state.examples = await ex.json();
+  const m = state.info.model;
+  $("#info").textContent = `${m.head} model ${m.fingerprint}, d = ${m.d}; index ${state.info.index_version}, ` +
+    `${state.info.counts.records} records`;
+  buildQueryForm();
+  $("#search").onclick = search;
+  document.body.dataset.ready = "1";
+}
+
+main();

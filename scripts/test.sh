@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the tests need (Debian packages when missing, the
+# project with its dev extras into the current Python), starts Redis if none listens, runs pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+missing=()
+command -v redis-server >/dev/null || missing+=(redis-server)
+command -v docker-compose >/dev/null || missing+=(docker-compose)  # v1, for `config -q`
+command -v espeak-ng >/dev/null || missing+=(espeak-ng)            # the demo's speech
+command -v chromium >/dev/null || missing+=(chromium)              # the browser test
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
+if [ "${#missing[@]}" -gt 0 ]; then
+    echo "installing Debian packages: ${missing[*]}"
+    sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}"
+fi
+# The service tests talk to a real Redis on 127.0.0.1:6379 (and start private ones of their own).
+if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
+    redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
+fi
+
+python3 -m pip install -q -e '.[dev]'
+set +e
+python3 -m pytest "$@"
+status=$?
+set -e
+if [ "$status" -eq 5 ]; then
+    echo "pytest collected no tests: failing" >&2
+    exit 1
+fi
+exit "$status"
