@@ -178,7 +178,3 @@ def encode_records(
     bar.close()
     return written
 
-
-def batches_for(rows: int, chunk: int) -> Iterator[slice]:
-    for start in range(0, rows, chunk):
-        yield slice(start, min(rows, start + chunk))

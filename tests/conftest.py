@@ -82,3 +82,10 @@ def run_cli(*argv: str) -> int:
     from app.cli import main
 
     return main([str(a) for a in argv])
+
+
+def index_build(model: Path, records: Path, root: Path, *extra: object) -> int:
+    """`hclip index build --quiet`, as a user types it."""
+    return run_cli(
+        "index", "build", "--model", model, "--records", records, "--root", root, "--quiet", *extra
+    )

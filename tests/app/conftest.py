@@ -18,7 +18,7 @@ import uvicorn
 
 from app.main import create_app
 from app.settings import Settings
-from tests.conftest import DIMS, make_model_dir, run_cli, vector_records, write_jsonl
+from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
 
 
 def free_port() -> int:
@@ -69,12 +69,7 @@ def settings_for(root: Path, **kw) -> Settings:
 def build_index(root: Path, model: Path, rows: list[dict], tmp: Path, *extra: str) -> str:
     path = tmp / f"records-{uuid.uuid4().hex}.jsonl"
     write_jsonl(path, rows)
-    assert (
-        run_cli(
-            "index", "build", "--model", model, "--records", path, "--root", root, "--quiet", *extra
-        )
-        == 0
-    )
+    assert index_build(model, path, root, *extra) == 0
     return (root / "CURRENT").read_text().strip()
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from indexer import artifact
-from tests.conftest import make_model_dir, run_cli, write_jsonl
+from tests.conftest import index_build, make_model_dir, run_cli, write_jsonl
 
 MODS = {
     "image": {"kind": "image", "image_size": 8, "hidden": 8},
@@ -66,20 +66,7 @@ def test_bad_record_fails_the_build_and_publishes_nothing(
     mutate(rows[2])
     write_jsonl(tmp_path / "r.jsonl", rows)
     root = tmp_path / "root"
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            mm_model,
-            "--records",
-            tmp_path / "r.jsonl",
-            "--root",
-            root,
-            "--quiet",
-        )
-        == 2
-    )
+    assert index_build(mm_model, tmp_path / "r.jsonl", root) == 2
     assert message in capsys.readouterr().err
     assert artifact.read_current(root) is None
     assert artifact.list_versions(root) == []
@@ -89,20 +76,7 @@ def test_bad_record_fails_the_build_and_publishes_nothing(
 def test_nan_literal_names_the_line(tmp_path: Path, mm_model: Path, capsys) -> None:
     lines = [json.dumps(good(0)), json.dumps(good(1)).replace('"vec": [1, ', '"vec": [NaN, ')]
     (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            mm_model,
-            "--records",
-            tmp_path / "r.jsonl",
-            "--root",
-            tmp_path / "root",
-            "--quiet",
-        )
-        == 2
-    )
+    assert index_build(mm_model, tmp_path / "r.jsonl", tmp_path / "root") == 2
     assert "line 2, id 'g1': not valid JSON (NaN is not valid JSON)" in capsys.readouterr().err
 
 
@@ -113,21 +87,7 @@ def test_skip_bad_reports_and_leaves_them_out(tmp_path: Path, mm_model: Path, ca
     rows[5]["id"] = "g0"
     write_jsonl(tmp_path / "r.jsonl", rows)
     root = tmp_path / "root"
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            mm_model,
-            "--records",
-            tmp_path / "r.jsonl",
-            "--root",
-            root,
-            "--quiet",
-            "--skip-bad",
-        )
-        == 0
-    )
+    assert index_build(mm_model, tmp_path / "r.jsonl", root, "--skip-bad") == 0
     out = capsys.readouterr().out
     assert "rejected line 3 id 'g2': vec: vector must have length 3" in out
     assert "rejected line 5 id 'g4': unknown modality 'smell'" in out

@@ -14,7 +14,7 @@ from indexer import artifact
 from indexer.reader import LoadedVersion, verify
 from models.checkpoint import load_model
 from models.heads import default_views
-from tests.conftest import DIMS, make_model_dir, run_cli, vector_records, write_jsonl
+from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
 
 
 def records_with_gaps(n: int = 400, seed: int = 0) -> list[dict]:
@@ -61,20 +61,7 @@ def test_every_view_matches_brute_force_reference(tmp_path: Path, head: str) -> 
     rows = records_with_gaps()
     write_jsonl(tmp_path / "r.jsonl", rows)
     model_dir = make_model_dir(tmp_path / "m", head=head)
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            model_dir,
-            "--records",
-            tmp_path / "r.jsonl",
-            "--root",
-            tmp_path / "root",
-            "--quiet",
-        )
-        == 0
-    )
+    assert index_build(model_dir, tmp_path / "r.jsonl", tmp_path / "root") == 0
     version = LoadedVersion(artifact.current_version_dir(tmp_path / "root"))
     model = load_model(model_dir)
     queries = vector_records(12, DIMS, seed=99, k=50)
@@ -99,22 +86,7 @@ def test_approximate_index_keeps_exact_scores_and_reports_recall(tmp_path: Path)
     model_dir = make_model_dir(tmp_path / "m")
     root = tmp_path / "root"
     for spec in ("flat", "hnsw:M=16,ef_search=64", "ivf:nlist=16,nprobe=8"):
-        assert (
-            run_cli(
-                "index",
-                "build",
-                "--model",
-                model_dir,
-                "--records",
-                tmp_path / "r.jsonl",
-                "--root",
-                root,
-                "--quiet",
-                "--spec",
-                spec,
-            )
-            == 0
-        )
+        assert index_build(model_dir, tmp_path / "r.jsonl", root, "--spec", spec) == 0
     versions = [
         LoadedVersion(artifact.version_dir(root, v["version"]))
         for v in artifact.list_versions(root)
@@ -139,22 +111,7 @@ def test_manifest_and_layout(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "r.jsonl", records_with_gaps(100))
     model_dir = make_model_dir(tmp_path / "m")
     root = tmp_path / "root"
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            model_dir,
-            "--records",
-            tmp_path / "r.jsonl",
-            "--root",
-            root,
-            "--quiet",
-            "--views",
-            "a,b+c",
-        )
-        == 0
-    )
+    assert index_build(model_dir, tmp_path / "r.jsonl", root, "--views", "a,b+c") == 0
     vdir = artifact.current_version_dir(root)
     m = json.loads((vdir / "manifest.json").read_text())
     assert m["counts"]["records"] == 100 and m["d"] == 8 and sorted(m["views"]) == ["a", "b+c"]
@@ -180,20 +137,7 @@ def test_parquet_records(tmp_path: Path) -> None:
     write_jsonl(tmp_path / "r.jsonl", rows)
     model_dir = make_model_dir(tmp_path / "m")
     for src, root in (("r.parquet", "p"), ("r.jsonl", "j")):
-        assert (
-            run_cli(
-                "index",
-                "build",
-                "--model",
-                model_dir,
-                "--records",
-                tmp_path / src,
-                "--root",
-                tmp_path / root,
-                "--quiet",
-            )
-            == 0
-        )
+        assert index_build(model_dir, tmp_path / src, tmp_path / root) == 0
     p = LoadedVersion(artifact.current_version_dir(tmp_path / "p"))
     j = LoadedVersion(artifact.current_version_dir(tmp_path / "j"))
     assert p.records == j.records

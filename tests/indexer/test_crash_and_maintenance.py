@@ -13,15 +13,9 @@ import pytest
 
 from indexer import artifact
 from indexer.reader import verify
-from tests.conftest import DIMS, make_model_dir, run_cli, vector_records, write_jsonl
+from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def build(model: Path, records: Path, root: Path, *extra: str) -> int:
-    return run_cli(
-        "index", "build", "--model", model, "--records", records, "--root", root, "--quiet", *extra
-    )
 
 
 @pytest.mark.parametrize("stage_reached", ["encoding", "views"])
@@ -32,7 +26,7 @@ def test_sigkill_during_build_leaves_previous_version_published(
     write_jsonl(tmp_path / "small.jsonl", vector_records(50, DIMS))
     write_jsonl(tmp_path / "big.jsonl", vector_records(30000, DIMS, seed=1))
     root = tmp_path / "root"
-    assert build(model, tmp_path / "small.jsonl", root) == 0
+    assert index_build(model, tmp_path / "small.jsonl", root) == 0
     published = artifact.read_current(root)
     proc = subprocess.Popen(
         [
@@ -75,7 +69,7 @@ def test_sigkill_during_build_leaves_previous_version_published(
     assert verify(artifact.version_dir(root, published)) == []
     assert run_cli("index", "verify", "--root", root) == 0
     # the next run cleans up what the dead one left, then publishes
-    assert build(model, tmp_path / "small.jsonl", root) == 0
+    assert index_build(model, tmp_path / "small.jsonl", root) == 0
     assert list((root / artifact.STAGING).iterdir()) == []
     assert artifact.read_current(root) != published
 
@@ -84,7 +78,7 @@ def test_verify_detects_tampering(tmp_path: Path, capsys) -> None:
     model = make_model_dir(tmp_path / "m")
     write_jsonl(tmp_path / "r.jsonl", vector_records(80, DIMS))
     root = tmp_path / "root"
-    assert build(model, tmp_path / "r.jsonl", root) == 0
+    assert index_build(model, tmp_path / "r.jsonl", root) == 0
     vdir = artifact.current_version_dir(root)
     faiss_file = vdir / "views" / "a.faiss"
     data = bytearray(faiss_file.read_bytes())
@@ -104,7 +98,7 @@ def test_list_and_gc_never_remove_the_published_version(tmp_path: Path, capsys) 
     write_jsonl(tmp_path / "r.jsonl", vector_records(30, DIMS))
     root = tmp_path / "root"
     for _ in range(4):
-        assert build(model, tmp_path / "r.jsonl", root) == 0
+        assert index_build(model, tmp_path / "r.jsonl", root) == 0
     versions = [v["version"] for v in artifact.list_versions(root)]
     assert versions == sorted(versions) and len(versions) == 4
     # publish an older version again (a rollback): gc must keep it
@@ -123,5 +117,5 @@ def test_a_second_writer_is_refused_while_one_holds_the_lock(tmp_path: Path, cap
     write_jsonl(tmp_path / "r.jsonl", vector_records(30, DIMS))
     root = tmp_path / "root"
     with artifact.root_lock(root):
-        assert build(model, tmp_path / "r.jsonl", root) == 2
+        assert index_build(model, tmp_path / "r.jsonl", root) == 2
     assert "another build, update or gc is running" in capsys.readouterr().err

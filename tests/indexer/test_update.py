@@ -10,7 +10,7 @@ import pytest
 from indexer import artifact
 from indexer.reader import LoadedVersion, verify
 from models.model import MultimodalModel
-from tests.conftest import DIMS, make_model_dir, run_cli, vector_records, write_jsonl
+from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 
 
 @pytest.fixture
@@ -47,20 +47,7 @@ def test_update_equals_full_rebuild_and_encodes_only_upserts(tmp_path: Path, enc
     model_dir = make_model_dir(tmp_path / "m")
     root, full = tmp_path / "root", tmp_path / "full"
 
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            model_dir,
-            "--records",
-            tmp_path / "base.jsonl",
-            "--root",
-            root,
-            "--quiet",
-        )
-        == 0
-    )
+    assert index_build(model_dir, tmp_path / "base.jsonl", root) == 0
     first = artifact.read_current(root)
     encoded_items.clear()
     assert (
@@ -84,20 +71,7 @@ def test_update_equals_full_rebuild_and_encodes_only_upserts(tmp_path: Path, enc
     replaced = {r["id"] for r in changed}
     final = [r for r in base if r["id"] not in gone and r["id"] not in replaced] + changed + new
     write_jsonl(tmp_path / "final.jsonl", final)
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            model_dir,
-            "--records",
-            tmp_path / "final.jsonl",
-            "--root",
-            full,
-            "--quiet",
-        )
-        == 0
-    )
+    assert index_build(model_dir, tmp_path / "final.jsonl", full) == 0
 
     upd = LoadedVersion(artifact.current_version_dir(root))
     ref = LoadedVersion(artifact.current_version_dir(full))
@@ -125,20 +99,7 @@ def test_update_refuses_a_different_model(tmp_path: Path, capsys) -> None:
     m1 = make_model_dir(tmp_path / "m1", seed=0)
     m2 = make_model_dir(tmp_path / "m2", seed=1)
     root = tmp_path / "root"
-    assert (
-        run_cli(
-            "index",
-            "build",
-            "--model",
-            m1,
-            "--records",
-            tmp_path / "r.jsonl",
-            "--root",
-            root,
-            "--quiet",
-        )
-        == 0
-    )
+    assert index_build(m1, tmp_path / "r.jsonl", root) == 0
     before = artifact.read_current(root)
     assert (
         run_cli(
