@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -50,7 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+SERVING_COMMANDS = ("serve", "demo")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if next((a for a in argv if not a.startswith("-")), None) in SERVING_COMMANDS:
+        # Idle OpenMP threads must sleep, not spin, while the other core serves HTTP. libgomp
+        # reads this once, when torch loads it, so it is set before anything imports torch.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from app.demo.data import DemoError
     from indexer.cli import USER_ERRORS as INDEX_ERRORS
     from models.inputs import InputError

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
+
+from app.settings import Settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -13,21 +14,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, help="default: $HCLIP_PORT or 8000")
 
 
-def run(args: argparse.Namespace) -> int:
-    # Idle OpenMP threads must sleep, not spin, while the other core serves HTTP; this has to
-    # be set before the OpenMP runtime starts.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+def serve(settings: Settings) -> None:
     import uvicorn
 
     from app.main import create_app
-    from app.settings import Settings
 
-    overrides = {
-        k: v
-        for k, v in (("root", args.root), ("host", args.host), ("port", args.port))
-        if v is not None
-    }
-    settings = Settings(**overrides)
     uvicorn.run(
         create_app(settings),
         host=settings.host,
@@ -35,4 +26,13 @@ def run(args: argparse.Namespace) -> int:
         log_level="info",
         access_log=False,
     )
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {
+        k: v
+        for k, v in (("root", args.root), ("host", args.host), ("port", args.port))
+        if v is not None
+    }
+    serve(Settings(**overrides))
     return 0

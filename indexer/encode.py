@@ -177,4 +177,3 @@ def encode_records(
         bar.update(len(batch))
     bar.close()
     return written
-

@@ -69,14 +69,9 @@ def run(args: argparse.Namespace) -> int:
     print((data / "results.md").read_text())
     if args.no_serve:
         return 0 if results else 1
-    import uvicorn
-
-    from app.main import create_app
+    from app.serve_cli import serve
     from app.settings import Settings
 
-    settings = Settings(root=root, media_dir=data, host=args.host, port=args.port)
     print(f"search page: http://{args.host}:{args.port}/")
-    uvicorn.run(
-        create_app(settings), host=args.host, port=args.port, log_level="info", access_log=False
-    )
+    serve(Settings(root=root, media_dir=data, host=args.host, port=args.port))
     return 0
