@@ -22,7 +22,7 @@ def unit(n: int, d: int, seed: int) -> torch.Tensor:
 
 
 def phi(head, tup: dict[str, torch.Tensor]) -> float:
-    return float(head.score({m: v[None] for m, v in tup.items()})[0])
+    return head.score({m: v[None] for m, v in tup.items()})[0].item()
 
 
 def naive_ce(scores: list[float], positive: int, excluded: set[int]) -> float:
@@ -56,7 +56,8 @@ def naive_pairwise(head, embs, keys) -> float:
     terms = []
     for a, b in combinations(head.names, 2):
         s = [
-            [float(head.scale) * float(embs[a][i] @ embs[b][j]) for j in range(n)] for i in range(n)
+            [head.scale.item() * (embs[a][i] @ embs[b][j]).item() for j in range(n)]
+            for i in range(n)
         ]
         dup = lambda m, i: {j for j in range(n) if j != i and keys[m][j] == keys[m][i]}  # noqa: E731
         terms.append(sum(naive_ce(s[i], i, dup(b, i)) for i in range(n)) / n)
@@ -85,7 +86,7 @@ def test_full_conditional_matches_naive(kind: str, dups: bool) -> None:
         head.logit_scale.fill_(1.3)
     embs, keys = batch(with_duplicates=dups)
     got = FullConditionalLoss()(head, embs, keys).loss
-    assert float(got) == pytest.approx(naive_full_conditional(head, embs, keys), rel=1e-9)
+    assert got.item() == pytest.approx(naive_full_conditional(head, embs, keys), rel=1e-9)
 
 
 @pytest.mark.parametrize("dups", [False, True])
@@ -93,15 +94,15 @@ def test_pairwise_matches_naive(dups: bool) -> None:
     head = build_head("sum_of_pairs", NAMES, 5).double()
     embs, keys = batch(with_duplicates=dups)
     got = PairwiseClipLoss()(head, embs, keys).loss
-    assert float(got) == pytest.approx(naive_pairwise(head, embs, keys), rel=1e-9)
+    assert got.item() == pytest.approx(naive_pairwise(head, embs, keys), rel=1e-9)
 
 
 def test_masking_changes_the_loss_only_when_inputs_repeat() -> None:
     head = build_head("hclip", NAMES, 5).double()
     embs, keys = batch(with_duplicates=True)
-    masked = float(FullConditionalLoss()(head, embs, keys).loss)
+    masked = FullConditionalLoss()(head, embs, keys).loss.item()
     unmasked_keys = {m: torch.arange(6) for m in NAMES}
-    unmasked = float(FullConditionalLoss()(head, embs, unmasked_keys).loss)
+    unmasked = FullConditionalLoss()(head, embs, unmasked_keys).loss.item()
     assert masked < unmasked  # duplicates of the positive no longer count against it
 
 
