@@ -127,9 +127,11 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
 
 
 def _read_ids(path: Path) -> list[str]:
-    if not path.is_file():
-        raise RecordError(f"ids file not found: {path}")
-    return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text()  # a pipe (`<(...)`) is fine too, so no is_file() check
+    except FileNotFoundError:
+        raise RecordError(f"ids file not found: {path}") from None
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def _upsert_ids(path: Path) -> set[str]:
