@@ -79,16 +79,16 @@ class VersionManager:
         model = self._models.get(index.fingerprint)
         if model is None:
             model_dir = Path(index.manifest["model"]["path"])
-            try:
+            try:  # CheckpointError is a ValueError
                 found = fingerprint(model_dir)
+                if found != index.fingerprint:
+                    raise VersionRejected(
+                        f"model at {model_dir} (fingerprint {found}) is not the one that built "
+                        f"version {version_id} ({index.fingerprint})"
+                    )
+                model = load_model(model_dir)
             except (OSError, ValueError) as exc:
                 raise VersionRejected(f"model of version {version_id}: {exc}") from None
-            if found != index.fingerprint:
-                raise VersionRejected(
-                    f"model at {model_dir} (fingerprint {found}) is not the one that built "
-                    f"version {version_id} ({index.fingerprint})"
-                )
-            model = load_model(model_dir)
             self._models = {index.fingerprint: model}  # keep only the model in use
         dims = [v.index.d for v in index.views.values()]
         if dims:

@@ -175,3 +175,20 @@ def test_undecodable_media(media_client) -> None:
     assert r.status_code == 400 and "must be a base64 data: URI" in r.json()["error"]
     r = media_client.post("/v1/search", json={"query": {"image": good(0)["image"]}})
     assert r.status_code == 200 and len(r.json()["results"]) == 5
+
+
+def test_a_version_whose_model_is_gone_is_refused(tmp_path: Path, vector_index) -> None:
+    from tests.conftest import make_model_dir
+
+    _, model_dir, _ = vector_index
+    root, staging = tmp_path / "root", tmp_path / "elsewhere"
+    v1 = build_index(root, model_dir, records_v("v1", n=40), tmp_path)
+    other = make_model_dir(tmp_path / "other-model", seed=3)
+    v2 = build_index(staging, other, records_v("v2", n=40), tmp_path)
+    shutil.rmtree(other)  # gone before the service can see v2
+    with running(settings_for(root, admin_token="t")) as client:
+        shutil.copytree(artifact.version_dir(staging, v2), artifact.version_dir(root, v2))
+        artifact.write_current(root, v2)
+        r = client.post("/v1/admin/reload", headers={"Authorization": "Bearer t"})
+        assert r.status_code == 409 and f"model of version {v2}" in r.json()["error"]
+        assert client.get("/readyz").json()["index_version"] == v1
