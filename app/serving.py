@@ -22,7 +22,7 @@ from app.errors import VersionRejected
 from app.metrics import Metrics
 from app.settings import Settings
 from indexer import artifact
-from indexer.reader import LoadedVersion, verify
+from indexer.reader import LoadedVersion, verify_files, verify_views
 from models.checkpoint import fingerprint, load_model
 from models.model import MultimodalModel
 
@@ -68,14 +68,17 @@ class VersionManager:
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: verify and open a version, and load (or reuse) its model."""
         vdir = artifact.version_dir(self.root, version_id)
-        if self.settings.verify_on_load:
-            problems = verify(vdir)
-            if problems:
-                raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
-        try:
-            index = LoadedVersion(vdir)
-        except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
-            raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
+        check = self.settings.verify_on_load
+        problems = verify_files(vdir) if check else []
+        if not problems:
+            try:
+                index = LoadedVersion(vdir)
+            except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
+                raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
+            # The views are checked on the version just opened, so nothing is read twice.
+            problems = verify_views(index) if check else []
+        if problems:
+            raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
         model = self._models.get(index.fingerprint)
         if model is None:
             model_dir = Path(index.manifest["model"]["path"])

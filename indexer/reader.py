@@ -125,9 +125,8 @@ class LoadedVersion:
         return {n: self.stored.embeddings[n][row].tolist() for n in rec["modalities"]}
 
 
-def verify(vdir: Path) -> list[str]:
-    """Problems found in one version: checksums and sizes, and that each view's index holds
-    exactly its records (the right rows; for flat views, the right vectors)."""
+def verify_files(vdir: Path) -> list[str]:
+    """Problems with a version's files: missing, resized, altered or unlisted."""
     try:
         manifest = artifact.read_manifest(vdir)
     except artifact.ArtifactError as exc:
@@ -144,15 +143,16 @@ def verify(vdir: Path) -> list[str]:
         elif artifact.sha256_file(path) != meta["sha256"]:
             problems.append(f"{rel}: checksum mismatch")
     problems += [f"{rel}: not listed in the manifest" for rel in sorted(on_disk - set(files))]
-    if problems:
-        return problems
-    try:
-        version = LoadedVersion(vdir)
-    except Exception as exc:  # any failure to open is a verification failure, reported
-        return [f"cannot open: {exc}"]
-    cfg = manifest["model"]["config"]
-    head = build_head(cfg["head"], version.names, cfg["latent_dim"])  # record factors are
-    # parameter-free for every head, so no weights are needed to recompute them
+    return problems
+
+
+def verify_views(version: LoadedVersion) -> list[str]:
+    """Problems with an opened version's views: each index must hold exactly the records that
+    have its target modalities (the right rows; for flat views, the right vectors)."""
+    problems = []
+    cfg = version.manifest["model"]["config"]
+    # Record factors are parameter-free for every head, so no weights are needed to recompute.
+    head = build_head(cfg["head"], version.names, cfg["latent_dim"])
     for name, view in version.views.items():
         expected = version.stored.rows_with(view.target)
         if view.index.ntotal != len(view.rows):
@@ -172,3 +172,15 @@ def verify(vdir: Path) -> list[str]:
                     problems.append(f"view {name}: vectors at positions {start}.. differ")
                     break
     return problems
+
+
+def verify(vdir: Path) -> list[str]:
+    """Every problem found in one version: its files first, then its views."""
+    problems = verify_files(vdir)
+    if problems:
+        return problems
+    try:
+        version = LoadedVersion(vdir)
+    except Exception as exc:  # any failure to open is a verification failure, reported
+        return [f"cannot open: {exc}"]
+    return verify_views(version)

@@ -27,7 +27,6 @@ class TextBackbone:
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cache_size = cache_size
         self.batch_size = batch_size
-        self.calls = 0  # sentences actually run through the transformer
 
     def _load(self) -> Any:
         if self._model is None:
@@ -58,7 +57,6 @@ class TextBackbone:
                     .float()
                     .cpu()
                 )  # (M, 384)
-                self.calls += len(missing)
                 for s, v in zip(missing, out, strict=True):
                     self._cache[s] = v.clone()
             for s in sentences:
