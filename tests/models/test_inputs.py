@@ -2,15 +2,17 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 import wave
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from models.config import ModalityConfig
-from models.inputs import InputError, decode
+from models.inputs import InputError, InputLimits, InputTooLarge, decode
 
 VEC = ModalityConfig(kind="vector", dim=3)
 IMG = ModalityConfig(kind="image", image_size=8)
@@ -82,3 +84,105 @@ def test_audio_is_mixed_resampled_and_padded() -> None:
 def test_bad_audio() -> None:
     with pytest.raises(InputError, match="PCM WAV"):
         decode(data_uri("audio/wav", b"RIFF....WAVEjunk"), AUD)
+
+
+# Hostile inputs: each is an InputError (never another exception type) and costs little,
+# whatever its header claims.
+
+LIMITS = InputLimits(max_image_pixels=4096 * 4096, max_audio_seconds=60.0, max_text_chars=1000)
+
+
+def wav_header_only(rate: int, width: int, channels: int, frames: bytes) -> bytes:
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(frames)
+    return buf.getvalue()
+
+
+def truncated_wavs() -> dict[str, bytes]:
+    return {
+        "odd byte count": wav_bytes(channels=1)[:-1],
+        "24-bit cut mid-sample": wav_header_only(16000, 3, 1, bytes(3 * 800))[:-1],
+        "stereo cut mid-frame": wav_bytes(channels=2)[:-2],
+    }
+
+
+@pytest.mark.parametrize("name", list(truncated_wavs()))
+def test_truncated_wavs_decode_their_whole_frames(name: str) -> None:
+    x = decode(truncated_wavs()[name], AUD)
+    assert x.shape == (4000,) and bool(torch.isfinite(x).all())
+
+
+def test_a_wav_that_claims_1_hz_is_refused_before_any_work() -> None:
+    raw = wav_header_only(1, 2, 1, bytes(20_000))
+    t0 = time.perf_counter()
+    with pytest.raises(InputTooLarge, match="sample rate 1 Hz is outside"):
+        decode(raw, AUD, limits=LIMITS)
+    assert time.perf_counter() - t0 < 0.05
+
+
+def test_a_long_wav_is_refused_from_its_header() -> None:
+    raw = wav_header_only(8000, 2, 1, bytes(2 * 8000 * 61))
+    with pytest.raises(InputTooLarge, match=r"61\.0 s long, over the limit of 60 s"):
+        decode(raw, AUD, limits=LIMITS)
+
+
+def test_a_slow_rate_decodes_only_what_the_encoder_keeps() -> None:
+    """1 kHz for 60 s: 16x upsampling of the whole clip would be ~1M samples; 0.5 s is kept."""
+    raw = wav_header_only(1000, 2, 1, (np.arange(60_000) % 200).astype("<i2").tobytes())
+    t0 = time.perf_counter()
+    x = decode(raw, AUD, limits=LIMITS)
+    assert x.shape == (4000,) and time.perf_counter() - t0 < 0.05
+
+
+@pytest.mark.parametrize("rate", [7000, 11025, 44100, 48000])
+def test_resampling_a_prefix_equals_resampling_the_whole_clip(rate: int) -> None:
+    raw = wav_bytes(rate=rate, seconds=2.0, channels=1)
+    got = decode(raw, AUD)
+    with wave.open(io.BytesIO(raw)) as w:
+        whole = np.frombuffer(w.readframes(w.getnframes()), "<i2").astype(np.float32) / 32768
+    size = round(len(whole) * AUD.sample_rate / rate)
+    want = torch.nn.functional.interpolate(
+        torch.from_numpy(whole)[None, None], size=size, mode="linear"
+    )[0, 0, :4000]
+    assert torch.allclose(got, want, atol=1e-3)
+
+
+def test_a_decompression_bomb_is_refused_from_its_header() -> None:
+    buf = io.BytesIO()
+    Image.new("L", (20_000, 20_000), 7).save(buf, "PNG")  # 400 MB of pixels in ~400 kB
+    t0 = time.perf_counter()
+    with pytest.raises(InputTooLarge, match="over the limit of 16777216"):
+        decode(buf.getvalue(), IMG, limits=LIMITS)
+    assert time.perf_counter() - t0 < 0.5
+
+
+def test_media_over_the_byte_limit_is_refused_before_base64_decoding() -> None:
+    limits = InputLimits(max_media_bytes=1000)
+    with pytest.raises(InputTooLarge, match="max_media_bytes"):
+        decode(data_uri("image/png", bytes(2000)), IMG, limits=limits)
+
+
+@pytest.mark.parametrize(
+    ("value", "error", "message"),
+    [
+        ([True, 1, 2], InputError, "got a boolean"),
+        ([10**400, 1, 2], InputError, "too large for float32"),
+        ([1e39, 0, 0], InputError, "too large for float32"),
+        ("seven", InputError, "list of numbers"),
+    ],
+)
+def test_hostile_vectors(value: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        decode(value, VEC)
+
+
+def test_hostile_texts() -> None:
+    txt = ModalityConfig(kind="text")
+    with pytest.raises(InputError, match="lone surrogate"):
+        decode("seven \ud800", txt)
+    with pytest.raises(InputTooLarge, match="1001 characters, over the limit of 1000"):
+        decode("x" * 1001, txt, limits=LIMITS)
