@@ -22,11 +22,29 @@ from app.errors import VersionRejected
 from app.metrics import Metrics
 from app.settings import Settings
 from indexer import artifact
-from indexer.reader import LoadedVersion, verify_files, verify_views
+from indexer.reader import LoadedVersion
+from indexer.verify import verify_files, verify_opened
 from models.checkpoint import fingerprint, load_model
 from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
+
+
+def open_checked(vdir: Path, level: str) -> LoadedVersion:
+    """Open a version for serving after the checks `level` asks for (see indexer.verify):
+    "quick" costs the same whatever the record count, "full" reads and recomputes it all."""
+    version_id = vdir.name
+    problems = verify_files(vdir, full=level == "full") if level != "off" else []
+    if problems:
+        raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+    try:
+        index = LoadedVersion(vdir)
+    except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
+        raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
+    problems = verify_opened(index) if level == "full" else []
+    if problems:
+        raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+    return index
 
 
 @dataclass
@@ -66,33 +84,33 @@ class VersionManager:
         self._lock = asyncio.Lock()
 
     def _open(self, version_id: str) -> ServingVersion:
-        """Blocking: verify and open a version, and load (or reuse) its model."""
-        vdir = artifact.version_dir(self.root, version_id)
-        check = self.settings.verify_on_load
-        problems = verify_files(vdir) if check else []
-        if not problems:
-            try:
-                index = LoadedVersion(vdir)
-            except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
-                raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
-            # The views are checked on the version just opened, so nothing is read twice.
-            problems = verify_views(index) if check else []
-        if problems:
-            raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+        """Blocking: check and open a version, load (or reuse) its model, build its workers."""
+        index = open_checked(
+            artifact.version_dir(self.root, version_id), self.settings.verify_on_load
+        )
+        model = self._model_for(index)
+        return self._serving(index, model)
+
+    def _model_for(self, index: LoadedVersion) -> MultimodalModel:
+        """The model that built `index`, loaded once and shared by its later versions."""
         model = self._models.get(index.fingerprint)
-        if model is None:
-            model_dir = Path(index.manifest["model"]["path"])
-            try:  # CheckpointError is a ValueError
-                found = fingerprint(model_dir)
-                if found != index.fingerprint:
-                    raise VersionRejected(
-                        f"model at {model_dir} (fingerprint {found}) is not the one that built "
-                        f"version {version_id} ({index.fingerprint})"
-                    )
-                model = load_model(model_dir)
-            except (OSError, ValueError) as exc:
-                raise VersionRejected(f"model of version {version_id}: {exc}") from None
-            self._models = {index.fingerprint: model}  # keep only the model in use
+        if model is not None:
+            return model
+        model_dir = Path(index.manifest["model"]["path"])
+        try:  # CheckpointError is a ValueError
+            found = fingerprint(model_dir)
+            if found != index.fingerprint:
+                raise VersionRejected(
+                    f"model at {model_dir} (fingerprint {found}) is not the one that built "
+                    f"version {index.version} ({index.fingerprint})"
+                )
+            model = load_model(model_dir)
+        except (OSError, ValueError) as exc:
+            raise VersionRejected(f"model of version {index.version}: {exc}") from None
+        self._models = {index.fingerprint: model}  # keep only the model in use
+        return model
+
+    def _serving(self, index: LoadedVersion, model: MultimodalModel) -> ServingVersion:
         dims = [v.index.d for v in index.views.values()]
         if dims:
             # Batches of blas_min_queries or more take the BLAS path; below, one scan per query.

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,7 +31,11 @@ class Settings(BaseSettings):
     cache_prefix: str = "hclip:v1"
 
     poll_interval_s: float = Field(2.0, gt=0, description="how often CURRENT is checked")
-    verify_on_load: bool = True
+    verify_on_load: Literal["quick", "full", "off"] = Field(
+        "quick",
+        description="quick: sizes and small files' checksums, O(1) in the record count; "
+        "full: every checksum and every view's vectors recomputed (as `hclip index verify`)",
+    )
     media_dir: Path | None = Field(None, description="demo media served under /media")
 
     batch_max: int = Field(64, ge=1, description="queries gathered into one FAISS call")
@@ -38,6 +43,20 @@ class Settings(BaseSettings):
     faiss_threads: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
     blas_min_queries: int = Field(3, ge=1, description="batches this large go through BLAS")
+
+    @field_validator("verify_on_load", mode="before")
+    @classmethod
+    def _legacy_bool(cls, value: Any) -> Any:
+        # Before "quick" existed, true meant the full check and false none.
+        legacy = {
+            "true": "full",
+            "1": "full",
+            "false": "off",
+            "0": "off",
+            True: "full",
+            False: "off",
+        }
+        return legacy.get(value.lower() if isinstance(value, str) else value, value)
 
 
 @lru_cache

@@ -16,8 +16,9 @@ import numpy as np
 _NPY_HEADER_BYTES = 128  # magic + version + length + dict, padded; fixed so it can be patched
 
 
-def _npy_header(rows: int, dim: int) -> bytes:
-    body = f"{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {dim}), }}"
+def _npy_header(rows: int, dim: int | None, descr: str = "<f4") -> bytes:
+    shape = f"({rows},)" if dim is None else f"({rows}, {dim})"
+    body = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}"
     pad = _NPY_HEADER_BYTES - 10 - len(body) - 1
     if pad < 0:
         raise ValueError("shape too large for the fixed .npy header")
@@ -29,9 +30,12 @@ def _npy_header(rows: int, dim: int) -> bytes:
 
 
 class _Appender(ABC):
-    """Base: a file opened for writing, with a header patched on close and fsync on close."""
+    """Base: a file opened for writing, with a header patched on close and fsync on close.
+    Rows are `dim` wide, or scalars when dim is None (a 1-D array)."""
 
-    def __init__(self, path: Path, dim: int, header_len: int):
+    dtype: np.dtype = np.dtype("<f4")
+
+    def __init__(self, path: Path, dim: int | None, header_len: int):
         self.path = path
         self.dim = dim
         self.rows = 0
@@ -39,8 +43,9 @@ class _Appender(ABC):
         self._f.write(b"\0" * header_len)
 
     def append(self, x: np.ndarray) -> None:
-        x = np.ascontiguousarray(x, dtype="<f4")
-        if x.ndim != 2 or x.shape[1] != self.dim:
+        x = np.ascontiguousarray(x, dtype=self.dtype)
+        want = 1 if self.dim is None else 2
+        if x.ndim != want or (self.dim is not None and x.shape[1] != self.dim):
             raise ValueError(f"{self.path.name}: expected rows of width {self.dim}, got {x.shape}")
         self._f.write(x.tobytes())
         self.rows += x.shape[0]
@@ -72,13 +77,15 @@ class _Appender(ABC):
 
 
 class NpyAppender(_Appender):
-    """A float32 (rows, dim) `.npy` file, np.load(..., mmap_mode='r')-able once closed."""
+    """A (rows, dim) `.npy` file (float32 unless told otherwise; (rows,) when dim is None),
+    np.load(..., mmap_mode='r')-able once closed."""
 
-    def __init__(self, path: Path, dim: int):
+    def __init__(self, path: Path, dim: int | None, dtype: str = "<f4"):
+        self.dtype = np.dtype(dtype)
         super().__init__(path, dim, _NPY_HEADER_BYTES)
 
     def _header(self) -> bytes:
-        return _npy_header(self.rows, self.dim)
+        return _npy_header(self.rows, self.dim, self.dtype.str)
 
 
 _METRIC_INNER_PRODUCT = 0
@@ -91,6 +98,7 @@ class FlatIPAppender(_Appender):
 
     def __init__(self, path: Path, dim: int):
         super().__init__(path, dim, _FLAT_HEADER.size)
+        self.width = dim
 
     def _header(self) -> bytes:
         return _FLAT_HEADER.pack(
@@ -101,7 +109,7 @@ class FlatIPAppender(_Appender):
             1 << 20,
             1,
             _METRIC_INNER_PRODUCT,
-            self.rows * self.dim,
+            self.rows * self.width,
         )
 
 

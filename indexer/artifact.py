@@ -21,22 +21,22 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a memory-mapped record store (records/) replaced records.jsonl
 CURRENT = "CURRENT"
 VERSIONS = "versions"
 STAGING = ".staging"
 LOCK = ".lock"
 MANIFEST = "manifest.json"
-RECORDS = "records.jsonl"
 EMBEDDINGS = "embeddings"
 VIEWS = "views"
+REJECTED = "rejected.jsonl"
 
 
 class ArtifactError(RuntimeError):
@@ -118,20 +118,38 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def list_files(vdir: Path) -> list[str]:
+    """Every file of a version but its manifest, as paths relative to the version."""
+    return [
+        p.relative_to(vdir).as_posix()
+        for p in sorted(vdir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    ]
+
+
 def file_table(vdir: Path) -> dict[str, dict[str, Any]]:
-    table = {}
-    for path in sorted(vdir.rglob("*")):
-        if path.is_file() and path.name != MANIFEST:
-            rel = path.relative_to(vdir).as_posix()
-            table[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
-    return table
+    return {
+        rel: {"sha256": sha256_file(vdir / rel), "bytes": (vdir / rel).stat().st_size}
+        for rel in list_files(vdir)
+    }
 
 
-def publish(root: Path, stage: Path, manifest: dict[str, Any]) -> Path:
-    """Checksum, fsync, move the staged version into versions/, then point CURRENT at it."""
+def publish(
+    root: Path,
+    stage: Path,
+    manifest: dict[str, Any],
+    check: Callable[[Path], list[str]] | None = None,
+) -> Path:
+    """Checksum, fsync, check, move the staged version into versions/, then point CURRENT at
+    it. `check` gets the staged directory once complete; any problem it names stops here."""
     version_id = manifest["version"]
     manifest["files"] = file_table(stage)
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    if check is not None:
+        problems = check(stage)
+        if problems:
+            first = "; ".join(problems[:3])
+            raise ArtifactError(f"version {version_id} failed its check before publishing: {first}")
     fsync_tree(stage)
     final = version_dir(root, version_id)
     final.parent.mkdir(exist_ok=True)
@@ -166,8 +184,13 @@ def read_manifest(vdir: Path) -> dict[str, Any]:
         raise ArtifactError(f"{vdir}: no {MANIFEST}") from None
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{vdir / MANIFEST}: not valid JSON ({exc.msg})") from None
-    if not isinstance(obj, dict) or obj.get("format_version") != FORMAT_VERSION:
+    if not isinstance(obj, dict) or not isinstance(obj.get("format_version"), int):
         raise ArtifactError(f"{vdir / MANIFEST}: unknown artifact format")
+    if obj["format_version"] != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{vdir}: artifact format {obj['format_version']}, this hclip reads format "
+            f"{FORMAT_VERSION}: rebuild it with `hclip index build`"
+        )
     return obj
 
 

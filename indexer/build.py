@@ -1,4 +1,4 @@
-"""`index build` and `index update`: stage a complete version, then publish it atomically."""
+"""`index build` and `index update`: stage a complete version, check it, publish it atomically."""
 
 from __future__ import annotations
 
@@ -11,13 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 
 from indexer import artifact
 from indexer.arrays import NpyRows
-from indexer.encode import RowWriter, Validator, encode_records
-from indexer.reader import iter_stored_records, load_rows
+from indexer.encode import Rejected, RowWriter, Validator, encode_records
+from indexer.reader import LoadedVersion, embedding_path, load_rows
+from indexer.recordstore import RecordStore
 from indexer.sources import iter_records
 from indexer.specs import IndexSpec
+from indexer.verify import verify_opened
 from indexer.views import build_view
 from models.checkpoint import fingerprint, load_model, read_config
 from models.heads import default_views
@@ -25,6 +28,9 @@ from models.model import MultimodalModel
 from models.records import RecordError
 
 log = logging.getLogger(__name__)
+
+MANIFEST_REJECTS = 100  # inline in the manifest; rejected.jsonl lists every one
+UPSERTS = "upserts.tmp"  # inside a staged update: upserts encoded before any old row is dropped
 
 
 @dataclass
@@ -34,6 +40,7 @@ class JobOptions:
     batch_size: int = 256
     skip_bad: bool = False
     progress: bool = True
+    check: bool = True  # the full verification of the staged version before it is published
 
 
 @dataclass
@@ -41,10 +48,7 @@ class JobResult:
     version: str
     path: Path
     manifest: dict[str, Any]
-
-    @property
-    def rejected(self) -> list[dict[str, Any]]:
-        return list(self.manifest.get("rejected", []))
+    rejected: list[Rejected] = field(default_factory=list)
 
 
 def _model_block(model_dir: Path, fp: str) -> dict[str, Any]:
@@ -54,6 +58,17 @@ def _model_block(model_dir: Path, fp: str) -> dict[str, Any]:
         "fingerprint": fp,
         "config": {k: raw[k] for k in ("modalities", "head", "latent_dim")},
     }
+
+
+def _full_check(stage: Path) -> list[str]:
+    return verify_opened(LoadedVersion(stage))
+
+
+def _write_rejects(stage: Path, rejected: list[Rejected]) -> None:
+    if rejected:
+        with open(stage / artifact.REJECTED, "wb") as f:
+            for r in rejected:
+                f.write(orjson.dumps(r.to_dict()) + b"\n")
 
 
 def _finish(
@@ -66,7 +81,7 @@ def _finish(
     parent: str | None,
     extra: dict[str, Any],
 ) -> JobResult:
-    """Build every view from the staged embeddings, write the manifest and publish."""
+    """Build every view from the staged embeddings, write the manifest, check and publish."""
     stored = load_rows(stage, model.names, mmap=False)
     if stored.count == 0:
         raise RecordError("no valid records: nothing to index")
@@ -74,7 +89,7 @@ def _finish(
     for q in opts.views or default_views(model.names):
         entry = build_view(stage, model.head, stored, q, opts.spec)
         views["+".join(entry["query"])] = entry
-    count = stored.count
+    _write_rejects(stage, validator.rejected)
     manifest = {
         "format_version": artifact.FORMAT_VERSION,
         "version": stage.name,
@@ -85,16 +100,17 @@ def _finish(
         "d": model.cfg.latent_dim,
         "counts": {
             "records": stored.count,
-            "by_modality": {n: int(stored.present[n].sum()) for n in model.names},
+            "by_modality": {n: int(stored.present(n).sum()) for n in model.names},
             "rejected": len(validator.rejected),
         },
         "views": views,
-        "rejected": [r.to_dict() for r in validator.rejected[:1000]],
+        "rejected": [r.to_dict() for r in validator.rejected[:MANIFEST_REJECTS]],
+        "rejected_file": artifact.REJECTED if validator.rejected else None,
         **extra,
     }
-    path = artifact.publish(root, stage, manifest)
-    log.info("published version %s (%d records, %d views)", stage.name, count, len(views))
-    return JobResult(stage.name, path, manifest)
+    path = artifact.publish(root, stage, manifest, _full_check if opts.check else None)
+    log.info("published version %s (%d records, %d views)", stage.name, stored.count, len(views))
+    return JobResult(stage.name, path, manifest, list(validator.rejected))
 
 
 def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> JobResult:
@@ -134,37 +150,29 @@ def _read_ids(path: Path) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def _upsert_ids(path: Path) -> set[str]:
-    """First pass over the upserts: their ids only, so old rows can be dropped while copying."""
-    return {obj["id"] for _, obj in iter_records(path) if isinstance(obj.get("id"), str)}
-
-
-def _copy_rows(old: Path, writer: RowWriter, drop: set[str]) -> tuple[int, set[str]]:
-    """Stream the old version's rows whose ids are not in `drop` into the new version, with
-    their stored embeddings; returns the number of rows kept and every old id."""
-    arrays = {n: NpyRows(old / artifact.EMBEDDINGS / f"{n}.npy") for n in writer.names}
-    kept, seen = 0, set()
-    rows: list[int] = []
-    recs: list[dict[str, Any]] = []
-
-    def flush() -> None:
-        idx = np.array(rows, dtype=np.int64)
-        writer.write(recs, {n: a[idx] for n, a in arrays.items()})
-        rows.clear()
-        recs.clear()
-
-    for i, rec in enumerate(iter_stored_records(old)):
-        seen.add(rec["id"])
-        if rec["id"] in drop:
+def _copy_rows(
+    src: Path, names: list[str], writer: RowWriter, drop: set[str] | None = None
+) -> tuple[int, int]:
+    """Stream rows of the version (or staged part) at `src` whose ids are not in `drop` into
+    `writer`, with their stored embeddings and payloads as stored; (rows kept, rows dropped)."""
+    store = RecordStore(src, names)
+    arrays = {n: NpyRows(embedding_path(src, n)) for n in names}
+    kept = dropped = 0
+    for start, ids, payloads, presence in store.iter_chunks():
+        keep = [i for i, rid in enumerate(ids) if not drop or rid not in drop]
+        dropped += len(ids) - len(keep)
+        if not keep:
             continue
-        rows.append(i)
-        recs.append(rec)
-        kept += 1
-        if len(rows) == 8192:
-            flush()
-    if rows:
-        flush()
-    return kept, seen
+        idx = np.asarray(keep, dtype=np.int64)
+        writer.write_rows(
+            [ids[i] for i in keep],
+            [payloads[i] for i in keep],
+            presence[idx],
+            {n: a[start + idx] for n, a in arrays.items()},
+        )
+        kept += len(keep)
+    store.close()
+    return kept, dropped
 
 
 def update(
@@ -176,7 +184,13 @@ def update(
     spec_given: bool = False,
 ) -> JobResult:
     """A new version from the current one: deletes first, then upserts; untouched rows keep
-    their stored embeddings and are never re-encoded."""
+    their stored embeddings and are never re-encoded.
+
+    Upserts are validated and encoded (into a side part of the staged version) before any old
+    row is dropped, so an invalid upsert of an existing id, left out by --skip-bad, keeps the
+    old record. The new version must hold exactly the old rows that were neither deleted nor
+    validly replaced, plus the valid upserts: anything else stops the update.
+    """
     if upsert is None and delete is None:
         raise RecordError("update needs --upsert FILE and/or --delete IDS_FILE")
     with artifact.root_lock(root):
@@ -197,31 +211,49 @@ def update(
         if opts.views is None:
             opts.views = [tuple(v["query"]) for v in manifest["views"].values()]
         deleted = set(_read_ids(delete)) if delete else set()
-        replaced = _upsert_ids(upsert) if upsert else set()
         stage = artifact.staging_dir(root, artifact.new_version_id())
         try:
-            writer = RowWriter(stage, model.names, model.cfg.latent_dim)
             validator = Validator(model, upsert.parent if upsert else root, skip_bad=opts.skip_bad)
+            side = stage / UPSERTS
+            side.mkdir()
+            side_writer = RowWriter(side, model.names, model.cfg.latent_dim)
             try:
-                kept, old_ids = _copy_rows(old, writer, deleted | replaced)
                 encoded = 0
                 if upsert:
                     encoded = encode_records(
                         model,
                         iter_records(upsert),
                         validator,
-                        writer,
+                        side_writer,
                         opts.batch_size,
                         opts.progress,
                     )
             finally:
+                side_writer.close()
+            replaced = set(validator.seen)  # only upserts that passed validation
+            old_store = RecordStore(old, model.names)
+            deleted_found = {i for i in deleted if old_store.row_of(i) is not None}
+            old_count = len(old_store)
+            old_store.close()
+            writer = RowWriter(stage, model.names, model.cfg.latent_dim)
+            try:
+                kept, dropped = _copy_rows(old, model.names, writer, deleted | replaced)
+                appended, _ = _copy_rows(side, model.names, writer)
+            finally:
                 writer.close()
-            missing = deleted - old_ids
+            shutil.rmtree(side)
+            if kept != old_count - dropped or appended != encoded or writer.rows != kept + encoded:
+                raise artifact.ArtifactError(
+                    f"update would publish {writer.rows} records, expected {kept} kept + "
+                    f"{encoded} upserted: refusing to publish"
+                )
+            missing = deleted - deleted_found
             extra = {
                 "update": {
                     "kept": kept,
                     "encoded": encoded,
-                    "deleted": len(deleted - missing),
+                    "replaced": dropped - len(deleted_found),
+                    "deleted": len(deleted_found),
                     "deleted_not_found": sorted(missing)[:1000],
                 }
             }
@@ -244,4 +276,4 @@ def summary(result: JobResult) -> Iterator[str]:
         kind, recall = v["spec"]["kind"], v["recall_at_10"]
         yield f"  view {name:<20} {v['count']:>9} records  {kind:<6} recall@10 {recall}"
     for r in result.rejected:
-        yield f"  rejected line {r['line']} id {r['id']!r}: {r['reason']}"
+        yield f"  rejected line {r.line} id {r.id!r}: {r.reason}"

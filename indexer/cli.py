@@ -8,8 +8,8 @@ from pathlib import Path
 
 from indexer import artifact
 from indexer.build import JobOptions, build, summary, update
-from indexer.reader import verify
 from indexer.specs import IndexSpec, SpecError
+from indexer.verify import verify
 from indexer.views import parse_views
 from models.checkpoint import read_config
 
@@ -100,7 +100,8 @@ def _update(args: argparse.Namespace) -> int:
     print("\n".join(summary(result)))
     info = result.manifest["update"]
     print(
-        f"  kept {info['kept']} stored rows, encoded {info['encoded']}, deleted {info['deleted']}"
+        f"  kept {info['kept']} stored rows, encoded {info['encoded']} "
+        f"({info['replaced']} replacing stored ones), deleted {info['deleted']}"
     )
     if info["deleted_not_found"]:
         print(f"  ids to delete that were not present: {', '.join(info['deleted_not_found'][:20])}")

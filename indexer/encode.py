@@ -1,12 +1,14 @@
 """The encoding job: a reader of records, a mapper (the model's encoders), a writer of rows.
 
-Memory is bounded by one batch: records are validated and decoded one batch at a time, encoded
-per modality, and appended to the version's row-aligned embedding files and records.jsonl.
+Memory is bounded by one batch: records are parsed, validated and decoded one batch at a time,
+encoded per modality, and appended to the version's row-aligned embedding files and record
+store. Every way a line can be bad (not JSON, NaN, a wrong type or length, an unknown modality,
+a duplicate id, undecodable media, a payload that cannot be stored) is a RecordError for that
+line, so `--skip-bad` can leave it out and name it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -14,18 +16,24 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import torch
 from tqdm import tqdm
 
 from indexer.arrays import NpyAppender
-from indexer.artifact import EMBEDDINGS, RECORDS
+from indexer.artifact import EMBEDDINGS
+from indexer.recordstore import RecordStoreWriter
 from models.inputs import InputError, decode
 from models.model import MultimodalModel
-from models.records import RecordError
+from models.records import RecordError, parse_line
 
 log = logging.getLogger(__name__)
 
 RESERVED_KEYS = ("id", "payload")
+
+# What a source yields per line: its bytes (JSON Lines), its fields (Parquet), or why it could
+# not even be read as a record.
+RawRecord = bytes | dict[str, Any] | RecordError
 
 
 @dataclass
@@ -34,11 +42,11 @@ class Record:
 
     id: str
     line: int | None
-    payload: dict[str, Any]
+    payload_json: bytes  # the payload as compact JSON, as the record store keeps it
     inputs: dict[str, Any]  # modality -> decoded input
 
-    def stored(self) -> dict[str, Any]:
-        return {"id": self.id, "payload": self.payload, "modalities": sorted(self.inputs)}
+    def presence(self, names: list[str]) -> list[bool]:
+        return [n in self.inputs for n in names]
 
 
 @dataclass
@@ -51,6 +59,15 @@ class Rejected:
         return {"line": self.line, "id": self.id, "reason": self.reason}
 
 
+def payload_json(payload: Any, line: int | None, rid: str) -> bytes:
+    if not isinstance(payload, dict):
+        raise RecordError("'payload' must be a JSON object", line, rid)
+    try:
+        return orjson.dumps(payload)
+    except TypeError as exc:  # e.g. an integer beyond 64 bits, which the store cannot keep
+        raise RecordError(f"payload: cannot be stored ({exc})", line, rid) from None
+
+
 @dataclass
 class Validator:
     """Checks records one by one against the model; with skip_bad it collects the rejects."""
@@ -61,7 +78,10 @@ class Validator:
     seen: dict[str, int | None] = field(default_factory=dict)
     rejected: list[Rejected] = field(default_factory=list)
 
-    def _check(self, line: int | None, obj: dict[str, Any]) -> Record:
+    def _check(self, line: int | None, raw: RawRecord) -> Record:
+        if isinstance(raw, RecordError):
+            raise raw
+        obj = parse_line(raw, line or 0) if isinstance(raw, bytes) else raw
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid:
             raise RecordError("'id' must be a non-empty string", line)
@@ -69,9 +89,7 @@ class Validator:
             first = self.seen[rid]
             where = f"line {first}" if first is not None else "an earlier record"
             raise RecordError(f"duplicate id, first seen on {where}", line, rid)
-        payload = obj.get("payload", {})
-        if not isinstance(payload, dict):
-            raise RecordError("'payload' must be a JSON object", line, rid)
+        payload = payload_json(obj.get("payload", {}), line, rid)
         inputs = {}
         for key, value in obj.items():
             if key in RESERVED_KEYS or value is None:
@@ -91,15 +109,18 @@ class Validator:
         self.seen[rid] = line
         return Record(rid, line, payload, inputs)
 
-    def check(self, line: int | None, obj: dict[str, Any]) -> Record | None:
+    def check(self, line: int | None, raw: RawRecord) -> Record | None:
         try:
-            return self._check(line, obj)
+            return self._check(line, raw)
         except RecordError as exc:
             if not self.skip_bad:
                 raise
-            self.rejected.append(Rejected(exc.line, exc.record_id, exc.reason))
-            log.warning("skipped: %s", exc)
+            self.reject(exc)
             return None
+
+    def reject(self, exc: RecordError) -> None:
+        self.rejected.append(Rejected(exc.line, exc.record_id, exc.reason))
+        log.warning("skipped: %s", exc)
 
 
 def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
@@ -114,29 +135,41 @@ def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
 
 
 class RowWriter:
-    """Appends rows to records.jsonl and one (rows, d) float32 .npy per modality.
+    """Appends rows to the record store and one (rows, d) float32 .npy per modality.
 
-    A record lacking a modality gets a zero row there; `modalities` in records.jsonl says which
+    A record lacking a modality gets a zero row there; the store's presence flags say which
     rows are real.
     """
 
-    def __init__(self, vdir: Path, names: list[str], dim: int):
+    def __init__(self, vdir: Path, names: list[str], dim: int, embeddings_dir: str = EMBEDDINGS):
         self.names = names
         self.dim = dim
-        self.records = open(vdir / RECORDS, "w", encoding="utf-8")  # noqa: SIM115
-        self.arrays = {n: NpyAppender(vdir / EMBEDDINGS / f"{n}.npy", dim) for n in names}
-        self.rows = 0
+        self.store = RecordStoreWriter(vdir, names)
+        (vdir / embeddings_dir).mkdir(exist_ok=True)
+        self.arrays = {n: NpyAppender(vdir / embeddings_dir / f"{n}.npy", dim) for n in names}
 
-    def write(self, stored: list[dict[str, Any]], embs: dict[str, np.ndarray]) -> None:
-        """`embs[name]` is (len(stored), d), zero where a record lacks the modality."""
-        for rec in stored:
-            self.records.write(json.dumps(rec, ensure_ascii=False, allow_nan=False) + "\n")
+    @property
+    def rows(self) -> int:
+        return self.store.rows
+
+    def write(self, batch: list[Record], embs: dict[str, np.ndarray]) -> None:
+        """`embs[name]` is (len(batch), d), zero where a record lacks the modality."""
+        presence = np.array([r.presence(self.names) for r in batch], dtype=bool)
+        self.write_rows([r.id for r in batch], [r.payload_json for r in batch], presence, embs)
+
+    def write_rows(
+        self,
+        ids: list[str],
+        payloads: list[bytes],
+        presence: np.ndarray,
+        embs: dict[str, np.ndarray],
+    ) -> None:
+        self.store.append(ids, payloads, presence.reshape(len(ids), len(self.names)))
         for n in self.names:
             self.arrays[n].append(embs[n])
-        self.rows += len(stored)
 
     def close(self) -> None:
-        self.records.close()
+        self.store.close()
         for arr in self.arrays.values():
             arr.close()
 
@@ -156,14 +189,14 @@ def encode_batch(model: MultimodalModel, batch: list[Record]) -> dict[str, np.nd
 
 def encode_records(
     model: MultimodalModel,
-    source: Iterable[tuple[int, dict[str, Any]]],
+    source: Iterable[tuple[int, RawRecord]],
     validator: Validator,
     writer: RowWriter,
     batch_size: int,
     progress: bool = True,
 ) -> int:
     """Validate, encode and write every record of `source`; returns the rows written."""
-    checked = (validator.check(line, obj) for line, obj in source)
+    checked = (validator.check(line, raw) for line, raw in source)
     valid = (r for r in checked if r is not None)
     bar = tqdm(desc="encode", unit="rec", disable=not progress)
     written = 0
@@ -172,7 +205,7 @@ def encode_records(
         for name, e in embs.items():
             if not np.isfinite(e).all():  # a model that outputs NaN must not reach an index
                 raise RecordError(f"encoder {name!r} produced non-finite values in this batch")
-        writer.write([r.stored() for r in batch], embs)
+        writer.write(batch, embs)
         written += len(batch)
         bar.update(len(batch))
     bar.close()

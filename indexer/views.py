@@ -41,17 +41,22 @@ def parse_views(text: str, names: Sequence[str]) -> list[tuple[str, ...]]:
 
 @dataclass
 class StoredRows:
-    """The version's rows: per-modality embeddings (memory-mapped) and presence masks."""
+    """The version's rows: per-modality embeddings (memory-mapped, or read in spans by build
+    jobs) and which rows have each modality."""
 
-    embeddings: Mapping[str, np.ndarray]  # name -> (N, d)
-    present: Mapping[str, np.ndarray]  # name -> (N,) bool
+    names: Sequence[str]
+    embeddings: Mapping[str, Any]  # name -> (N, d): np.ndarray or NpyRows
+    presence: np.ndarray  # (N, m) bool, columns in `names` order
 
     @property
     def count(self) -> int:
-        return len(next(iter(self.present.values())))
+        return int(self.presence.shape[0])
+
+    def present(self, name: str) -> np.ndarray:
+        return np.asarray(self.presence[:, list(self.names).index(name)])  # (N,) bool
 
     def rows_with(self, names: Sequence[str]) -> np.ndarray:
-        mask = np.logical_and.reduce([self.present[n] for n in names])
+        mask = np.logical_and.reduce([self.present(n) for n in names])
         return np.flatnonzero(mask).astype(np.int64)
 
 

@@ -13,7 +13,7 @@ router = APIRouter()
 
 
 def _row(serving: ServingVersion, record_id: str) -> int:
-    row = serving.index.row_of.get(record_id)
+    row = serving.index.records.row_of(record_id)
     if row is None:
         raise NotFound(f"no record with id {record_id!r} in version {serving.version}")
     return row

@@ -98,8 +98,9 @@ async def search(body: SearchBody, state: State, serving: Serving) -> JSONRespon
     xq = await _query_vector(state, serving, body, modalities)
     scores, rows = await searcher.submit((xq, k))
     records = serving.index.records
+    # Payloads go into the response as the JSON bytes the record store holds, unparsed.
     results = [
-        {"id": records[r]["id"], "score": float(sc), "payload": records[r]["payload"]}
+        {"id": records.id_at(r), "score": sc, "payload": orjson.Fragment(records.payload_json(r))}
         for sc, r in zip(scores.tolist(), rows.tolist(), strict=True)
         if r >= 0
     ]

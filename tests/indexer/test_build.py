@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from indexer import artifact
-from indexer.reader import LoadedVersion, verify
+from indexer.reader import LoadedVersion
+from indexer.verify import verify
 from models.checkpoint import load_model
 from models.heads import default_views
 from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
@@ -116,9 +117,8 @@ def test_manifest_and_layout(tmp_path: Path) -> None:
     m = json.loads((vdir / "manifest.json").read_text())
     assert m["counts"]["records"] == 100 and m["d"] == 8 and sorted(m["views"]) == ["a", "b+c"]
     assert m["model"]["config"]["head"] == "hclip" and len(m["model"]["fingerprint"]) == 16
-    assert {"records.jsonl", "embeddings/a.npy", "views/a.faiss", "views/b+c.rows.npy"} <= set(
-        m["files"]
-    )
+    store = {f"records/{f}" for f in ("ids.bin", "payloads.bin", "presence.npy", "id_hash.npy")}
+    assert store | {"embeddings/a.npy", "views/a.faiss", "views/b+c.rows.npy"} <= set(m["files"])
     assert np.load(vdir / "embeddings/c.npy").shape == (100, 8)
     assert verify(vdir) == []
     assert not (root / artifact.STAGING).exists() or not any((root / artifact.STAGING).iterdir())
@@ -140,6 +140,6 @@ def test_parquet_records(tmp_path: Path) -> None:
         assert index_build(model_dir, tmp_path / src, tmp_path / root) == 0
     p = LoadedVersion(artifact.current_version_dir(tmp_path / "p"))
     j = LoadedVersion(artifact.current_version_dir(tmp_path / "j"))
-    assert p.records == j.records
+    assert list(p.records) == list(j.records)
     for n in p.names:
         assert np.array_equal(p.stored.embeddings[n], j.stored.embeddings[n])

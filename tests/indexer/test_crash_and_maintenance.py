@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from indexer import artifact
-from indexer.reader import verify
+from indexer.verify import verify
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

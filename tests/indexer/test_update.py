@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from indexer import artifact
-from indexer.reader import LoadedVersion, verify
+from indexer.reader import LoadedVersion
+from indexer.verify import verify
 from models.model import MultimodalModel
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 

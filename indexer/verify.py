@@ -1,0 +1,88 @@
+"""Checking a version: quickly when a server loads it, fully for `hclip index verify` and before
+a build publishes.
+
+- quick (O(1) in the record count): every listed file is present with its size, nothing
+  unlisted is there, files up to SMALL_FILE_BYTES match their checksums, and opening the version
+  checks every array's shape against the manifest;
+- full: every checksum, the record store's internal consistency (ids hash to their index
+  entries, payloads are JSON objects), each view holds exactly the rows that have its target
+  modalities, and each flat view's vectors equal the products recomputed from the stored
+  embeddings.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from indexer import artifact
+from indexer.reader import LoadedVersion
+from indexer.views import CHUNK, factor_chunks
+from models.heads import build_head
+
+SMALL_FILE_BYTES = 1 << 20
+
+
+def verify_files(vdir: Path, full: bool = True) -> list[str]:
+    """Problems with a version's files: missing, resized, altered or unlisted."""
+    try:
+        manifest = artifact.read_manifest(vdir)
+    except artifact.ArtifactError as exc:
+        return [str(exc)]
+    problems = []
+    files = manifest.get("files", {})
+    on_disk = set(artifact.list_files(vdir)) if vdir.is_dir() else set()
+    for rel, meta in files.items():
+        path = vdir / rel
+        if not path.is_file():
+            problems.append(f"{rel}: missing")
+        elif path.stat().st_size != meta["bytes"]:
+            problems.append(f"{rel}: size {path.stat().st_size} != {meta['bytes']}")
+        elif (full or meta["bytes"] <= SMALL_FILE_BYTES) and artifact.sha256_file(path) != meta[
+            "sha256"
+        ]:
+            problems.append(f"{rel}: checksum mismatch")
+    problems += [f"{rel}: not listed in the manifest" for rel in sorted(on_disk - set(files))]
+    return problems
+
+
+def verify_views(version: LoadedVersion) -> list[str]:
+    """Problems with an opened version's views: each index must hold exactly the records that
+    have its target modalities (the right rows; for flat views, the right vectors)."""
+    problems = []
+    cfg = version.manifest["model"]["config"]
+    # Record factors are parameter-free for every head, so no weights are needed to recompute.
+    head = build_head(cfg["head"], version.names, cfg["latent_dim"])
+    for name, view in version.views.items():
+        expected = version.stored.rows_with(view.target)
+        if not np.array_equal(np.asarray(view.rows), expected):
+            problems.append(f"view {name}: rows differ from the records that have {view.target}")
+            continue
+        if view.spec.exact:
+            for i, xb in enumerate(
+                factor_chunks(head, version.stored, expected, view.target, "record")
+            ):
+                start = i * CHUNK
+                got = view.index.reconstruct_n(start, xb.shape[0])
+                if not np.allclose(got, xb, rtol=1e-5, atol=1e-6):
+                    problems.append(f"view {name}: vectors at positions {start}.. differ")
+                    break
+    return problems
+
+
+def verify_opened(version: LoadedVersion) -> list[str]:
+    """The O(N) checks of an opened version: its record store, then its views."""
+    return [*version.records.problems(), *verify_views(version)]
+
+
+def verify(vdir: Path) -> list[str]:
+    """Every problem found in one version: its files first, then its contents."""
+    problems = verify_files(vdir, full=True)
+    if problems:
+        return problems
+    try:
+        version = LoadedVersion(vdir)
+    except Exception as exc:  # any failure to open is a verification failure, reported
+        return [f"cannot open: {exc}"]
+    return verify_opened(version)
