@@ -1,10 +1,15 @@
 """Concurrent requests gathered into one call on a worker thread: FAISS searches and encodes.
 
-On this CPU a batch of 64 queries costs little more than one (BLAS instead of one scan per
-query), and a hop to a worker thread costs about half a millisecond whatever it carries. So
-while a call runs, the requests that arrive queue up and go together in the next call. A lone
-request is dispatched at once: nobody waits for a batch that is not coming, unless
-HCLIP_BATCH_WAIT_MS asks for a short wait.
+While a call runs, the requests that arrive queue up and go together in the next call; a lone
+request is dispatched at once, unless HCLIP_BATCH_WAIT_MS asks for a short wait.
+
+Three guarantees hold whatever one item does:
+- an item's failure is its own: `run_batch` answers per item, and if the whole call raises, the
+  batch is split and retried item by item, so a bad item fails only its request;
+- the queue is bounded (`max_pending`): past it, submit raises Overloaded at once (a 503 with
+  Retry-After) instead of growing memory and latency without bound;
+- a request that gives up (its deadline passed, its client left) cancels its future, and a
+  cancelled item is dropped before it reaches a worker.
 """
 
 from __future__ import annotations
@@ -18,9 +23,9 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
-from app.errors import InvalidInput
+from app.errors import ApiError, InvalidInput, Overloaded, TooLarge
 from indexer.reader import View
-from models.inputs import InputError, decode
+from models.inputs import InputError, InputLimits, InputTooLarge, decode
 from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
@@ -42,41 +47,68 @@ class MicroBatcher(Generic[T, R]):
         max_batch: int,
         wait_s: float,
         on_batch: Callable[[int], None] | None = None,
+        max_pending: int = 1024,
+        name: str = "batcher",
     ):
         self.run_batch = run_batch
         self.executor = executor
         self.max_batch = max_batch
         self.wait_s = wait_s
         self.on_batch = on_batch
+        self.max_pending = max_pending
+        self.name = name
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
         self._draining = False
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
     async def submit(self, item: T) -> R:
+        if len(self._pending) >= self.max_pending:
+            raise Overloaded(
+                f"{self.name}: {self.max_pending} requests already queued (HCLIP_MAX_PENDING)"
+            )
         loop = asyncio.get_running_loop()
         future: asyncio.Future[R] = loop.create_future()
         self._pending.append((item, future))
         if not self._draining:
             self._draining = True
             self._task = loop.create_task(self._drain())  # held: the loop keeps weak refs
-        return await future
+        return await future  # cancelling the awaiting task cancels the future: item dropped
+
+    async def _call(self, items: list[T]) -> Sequence[R | Exception]:
+        if self.executor is None:
+            return self.run_batch(items)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.run_batch, items)
+
+    async def _run(self, items: list[T]) -> Sequence[R | Exception]:
+        try:
+            return await self._call(items)
+        except Exception as exc:
+            if len(items) == 1:
+                return [exc]
+            # Which item broke the call is unknown: each gets a call of its own.
+            log.warning(
+                "%s: a batch of %d failed (%r); retrying one by one", self.name, len(items), exc
+            )
+            out: list[R | Exception] = []
+            for item in items:
+                out.extend(await self._run([item]))
+            return out
 
     async def _drain(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while self._pending:
                 if self.wait_s and len(self._pending) < self.max_batch:
                     await asyncio.sleep(self.wait_s)
-                batch = self._pending[: self.max_batch]
-                self._pending = self._pending[self.max_batch :]
-                items = [item for item, _ in batch]
-                try:
-                    if self.executor is None:
-                        results = self.run_batch(items)
-                    else:
-                        results = await loop.run_in_executor(self.executor, self.run_batch, items)
-                except Exception as exc:  # the whole call failed: every waiter learns why
-                    results = [exc] * len(batch)
+                live = [(i, f) for i, f in self._pending if not f.done()]
+                batch, self._pending = live[: self.max_batch], live[self.max_batch :]
+                if not batch:
+                    continue
+                results = await self._run([item for item, _ in batch])
                 if self.on_batch:
                     self.on_batch(len(batch))
                 for (_, future), result in zip(batch, results, strict=True):
@@ -94,7 +126,12 @@ SearchResult = tuple[np.ndarray, np.ndarray]  # (scores, rows) of one query, bes
 
 
 def search_batcher(
-    view: View, executor: Executor, max_batch: int, wait_s: float, on_batch: Callable[[int], None]
+    view: View,
+    executor: Executor,
+    max_batch: int,
+    wait_s: float,
+    on_batch: Callable[[int], None],
+    max_pending: int = 1024,
 ) -> MicroBatcher[tuple[np.ndarray, int], SearchResult]:
     """Items are (query vector (D,), k)."""
 
@@ -103,13 +140,28 @@ def search_batcher(
         scores, rows = view.search(xq, max(k for _, k in items))
         return [(scores[i, :k], rows[i, :k]) for i, (_, k) in enumerate(items)]
 
-    return MicroBatcher(run, executor, max_batch, wait_s, on_batch)
+    return MicroBatcher(
+        run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}"
+    )
+
+
+def as_api_error(field: str, exc: InputError) -> ApiError:
+    cls = TooLarge if isinstance(exc, InputTooLarge) else InvalidInput
+    return cls(f"{field}: {exc}")
 
 
 def encode_batcher(
-    model: MultimodalModel, modality: str, executor: Executor, max_batch: int, wait_s: float
+    model: MultimodalModel,
+    modality: str,
+    executor: Executor,
+    max_batch: int,
+    wait_s: float,
+    limits: InputLimits,
+    max_pending: int = 1024,
+    on_batch: Callable[[int], None] | None = None,
 ) -> MicroBatcher[Any, np.ndarray]:
-    """Items are raw inputs; results are (d,) float32 embeddings, or the item's own error.
+    """Items are raw inputs; results are (d,) float32 embeddings, or the item's own error
+    (an InputError, which the caller names with its field).
 
     A `vector` encoder is a small MLP (about 0.2 ms for one input here), cheaper than the hop to
     a worker thread and back (about 0.6 ms), so it runs inline; the other kinds go to `executor`.
@@ -121,11 +173,11 @@ def encode_batcher(
         decoded, where = [], []
         for i, value in enumerate(values):
             try:
-                decoded.append(decode(value, cfg, base_dir=None))
+                decoded.append(decode(value, cfg, base_dir=None, limits=limits))
                 where.append(i)
                 out.append(np.empty(0))
             except InputError as exc:
-                out.append(InvalidInput(f"query.{modality}: {exc}"))
+                out.append(exc)
         if decoded:
             with torch.no_grad():
                 embs = model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
@@ -133,4 +185,12 @@ def encode_batcher(
                 out[i] = embs[j]
         return out
 
-    return MicroBatcher(run, None if cfg.kind == "vector" else executor, max_batch, wait_s)
+    return MicroBatcher(
+        run,
+        None if cfg.kind == "vector" else executor,
+        max_batch,
+        wait_s,
+        on_batch,
+        max_pending=max_pending,
+        name=f"{modality} encoder",
+    )

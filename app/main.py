@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import faiss
 import torch
@@ -15,12 +14,14 @@ from fastapi import FastAPI
 from app import errors
 from app.cache import make_cache
 from app.metrics import Metrics
-from app.middleware import BodyLimitMiddleware, MetricsMiddleware
+from app.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
+from app.requests import ApiRoute
 from app.responses import JSONResponse
 from app.routes import ops, page, records, search
 from app.serving import VersionManager
 from app.settings import Settings, get_settings
 from app.state import AppState
+from app.workers import WorkerPools
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # One thread each: on two cores, two OpenMP threads per query made searches 3-6x slower.
+        # OpenMP counts are per thread: the worker pools set theirs in their own threads; this
+        # covers the event loop's thread, where vector encoders and query factors run.
         torch.set_num_threads(settings.torch_threads)
         faiss.omp_set_num_threads(settings.faiss_threads)
-        faiss_executor = ThreadPoolExecutor(1, thread_name_prefix="faiss")
-        encode_executor = ThreadPoolExecutor(1, thread_name_prefix="encode")
+        pools = WorkerPools(settings.faiss_threads, settings.torch_threads)
         cache = make_cache(
             settings.redis_url,
             max_items=settings.cache_max_items,
@@ -43,10 +45,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             retry_s=settings.redis_retry_s,
             metrics=metrics,
         )
-        versions = VersionManager(settings, metrics, faiss_executor, encode_executor)
-        app.state.hclip = AppState(
-            settings, metrics, cache, versions, encode_executor, faiss_executor
-        )
+        versions = VersionManager(settings, metrics, pools)
+        app.state.hclip = AppState(settings, metrics, cache, versions, pools)
         log.info("index root %s, cache %s", settings.root, cache.backend)
         poller = asyncio.create_task(versions.poll_forever())  # its first pass loads CURRENT
         try:
@@ -56,8 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             with contextlib.suppress(asyncio.CancelledError):
                 await poller
             await cache.close()
-            faiss_executor.shutdown(wait=True)
-            encode_executor.shutdown(wait=True)
+            pools.shutdown()
 
     app = FastAPI(
         title="H-CLIP retrieval",
@@ -65,9 +64,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         default_response_class=JSONResponse,
     )
+    app.router.route_class = ApiRoute
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestContextMiddleware)  # outermost: every response gets its id
     for module in (ops, search, records):
         app.include_router(module.router)
     page.install(app, settings.media_dir)

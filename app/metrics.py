@@ -31,6 +31,13 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=r,
         )
+        self.encode_batch_size = Histogram(
+            "hclip_encode_batch_size",
+            "raw inputs per encoder call",
+            ["modality"],
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
         self.version = Gauge(
             "hclip_index_version_info",
             "the loaded index version (value 1)",
@@ -38,6 +45,17 @@ class Metrics:
             registry=r,
         )
         self.reloads = Counter("hclip_reloads_total", "version loads", ["outcome"], registry=r)
+        self.rejected_versions = Gauge(
+            "hclip_rejected_versions",
+            "versions CURRENT named that could not be loaded (retried with backoff)",
+            registry=r,
+        )
+        self.overloaded = Counter(
+            "hclip_overloaded_total",
+            "requests refused with 503: a full queue or a passed deadline",
+            ["reason"],
+            registry=r,
+        )
 
     def set_version(self, version: str) -> None:
         self.version.clear()

@@ -1,7 +1,11 @@
-"""Pure ASGI middlewares (cheaper than BaseHTTPMiddleware): request metrics and a body limit."""
+"""Pure ASGI middlewares (cheaper than BaseHTTPMiddleware): request ids and the last-resort 500,
+request metrics, and a body limit."""
 
 from __future__ import annotations
 
+import logging
+import re
+import secrets
 import time
 from typing import Any
 
@@ -9,6 +13,66 @@ import orjson
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
+
+
+class RequestContextMiddleware:
+    """Gives every request an id (the client's X-Request-ID when it is a sane token) that the
+    response and any log line about it carry; and turns an exception that escaped every
+    handler into a 500 envelope with `Connection: close`, so that the client's connection is
+    closed properly instead of dropped mid-keep-alive."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = next(
+            (
+                v.decode()
+                for k, v in scope["headers"]
+                if k == b"x-request-id" and _CLIENT_ID.match(v)
+            ),
+            None,
+        ) or secrets.token_hex(8)
+        scope.setdefault("state", {})["request_id"] = rid
+        header = (b"x-request-id", rid.encode())
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s %s %s failed", rid, scope["method"], scope["path"])
+            if started:
+                raise  # headers are out: nothing better to do than let the server close it
+            body = orjson.dumps(
+                {"error": "internal error", "error_type": "internal_error", "request_id": rid}
+            )
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 500,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"connection", b"close"),
+                        header,
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
 
 
 class MetricsMiddleware:
@@ -77,8 +141,9 @@ class BodyLimitMiddleware:
     async def _reject(self, send: Send) -> None:
         body = orjson.dumps(
             {
-                "error": f"request body over {self.max_bytes} bytes",
-                "error_type": "payload_too_large",
+                "error": f"request body over the limit of {self.max_bytes} bytes "
+                "(HCLIP_MAX_BODY_BYTES)",
+                "error_type": "too_large",
             }
         )
         await send(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from concurrent.futures import Executor
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from app.batching import MicroBatcher, SearchResult, encode_batcher, search_batc
 from app.errors import VersionRejected
 from app.metrics import Metrics
 from app.settings import Settings
+from app.workers import WorkerPools
 from indexer import artifact
 from indexer.reader import LoadedVersion
 from indexer.verify import verify_files, verify_opened
@@ -65,23 +66,29 @@ class ServingVersion:
         return self.index.fingerprint
 
 
+@dataclass
+class Rejection:
+    """A version that could not be loaded, and when the poller will try it again."""
+
+    reason: str
+    attempts: int
+    retry_at: float  # time.monotonic()
+
+
 class VersionManager:
-    def __init__(
-        self,
-        settings: Settings,
-        metrics: Metrics,
-        faiss_executor: Executor,
-        encode_executor: Executor,
-    ):
+    """Loads the version CURRENT names and swaps it in; retries a rejected one with backoff,
+    since what failed may be transient (a model volume not mounted yet, a disk hiccup)."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, pools: WorkerPools):
         self.settings = settings
-        self.encode_executor = encode_executor
         self.root = Path(settings.root)
         self.metrics = metrics
-        self.faiss_executor = faiss_executor
+        self.pools = pools
         self.current: ServingVersion | None = None
-        self.rejected: dict[str, str] = {}  # version -> why; not retried by the poller
+        self.rejected: dict[str, Rejection] = {}
         self._models: dict[str, MultimodalModel] = {}
         self._lock = asyncio.Lock()
+        self._blas_threshold_set = False
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers."""
@@ -111,52 +118,70 @@ class VersionManager:
         return model
 
     def _serving(self, index: LoadedVersion, model: MultimodalModel) -> ServingVersion:
-        dims = [v.index.d for v in index.views.values()]
-        if dims:
-            # Batches of blas_min_queries or more take the BLAS path; below, one scan per query.
-            faiss.cvar.distance_compute_blas_threshold = self.settings.blas_min_queries * min(dims)
+        s = self.settings
+        if not self._blas_threshold_set and index.views:
+            # A process-wide FAISS global: set once, before the first search, never while
+            # searches run. Batches of blas_min_queries or more take the BLAS path.
+            dim = min(v.index.d for v in index.views.values())
+            faiss.cvar.distance_compute_blas_threshold = s.blas_min_queries * dim
+            self._blas_threshold_set = True
         serving = ServingVersion(index, model)
-        wait_s = self.settings.batch_wait_ms / 1000.0
+        wait_s = s.batch_wait_ms / 1000.0
         for name, view in index.views.items():
             serving.searchers[name] = search_batcher(
-                view,
-                self.faiss_executor,
-                self.settings.batch_max,
-                wait_s,
-                self.metrics.batch_size.observe,
-            )
+                view, self.pools.faiss, s.batch_max, wait_s, self.metrics.batch_size.observe,
+                s.max_pending,
+            )  # fmt: skip
+        limits = s.input_limits()
         for name in model.names:
             serving.encoders[name] = encode_batcher(
-                model, name, self.encode_executor, self.settings.batch_max, wait_s
-            )
+                model, name, self.pools.encoder(name), s.batch_max, wait_s, limits, s.max_pending,
+                self.metrics.encode_batch_size.labels(name).observe,
+            )  # fmt: skip
         return serving
 
+    def _reject(self, version_id: str, reason: str) -> Rejection:
+        previous = self.rejected.get(version_id)
+        attempts = previous.attempts + 1 if previous else 1
+        s = self.settings
+        delay = min(s.reload_retry_max_s, s.reload_retry_s * 2 ** (attempts - 1))
+        rejection = Rejection(reason, attempts, time.monotonic() + delay)
+        self.rejected[version_id] = rejection
+        self.metrics.reloads.labels(outcome="rejected").inc()
+        self.metrics.rejected_versions.set(len(self.rejected))
+        log.error(
+            "%s; still serving %s; trying again in %.0f s (attempt %d)",
+            reason,
+            self.current.version if self.current else "nothing",
+            delay,
+            attempts,
+        )
+        return rejection
+
     async def refresh(self, force: bool = False) -> bool:
-        """Load the version CURRENT names if it is new; True when a swap happened."""
+        """Load the version CURRENT names if it is new; True when a swap happened. A version
+        rejected before is tried again once its backoff has passed (at once when forced)."""
         async with self._lock:
             version_id = artifact.read_current(self.root)
             if version_id is None:
                 return False
             if self.current is not None and self.current.version == version_id:
                 return False
-            if version_id in self.rejected and not force:
+            rejected = self.rejected.get(version_id)
+            if rejected is not None and not force and time.monotonic() < rejected.retry_at:
                 return False
             try:
                 serving = await asyncio.get_running_loop().run_in_executor(
                     None, self._open, version_id
                 )
             except VersionRejected as exc:
-                self.rejected[version_id] = exc.message
-                self.metrics.reloads.labels(outcome="rejected").inc()
-                log.error(
-                    "%s; still serving %s",
-                    exc.message,
-                    self.current.version if self.current else "nothing",
-                )
+                self._reject(version_id, exc.message)
                 raise
             old = self.current
             self.current = serving
-            self.rejected.pop(version_id, None)
+            # A version CURRENT no longer names will not be tried again.
+            self.rejected.clear()
+            self.metrics.rejected_versions.set(0)
             self.metrics.set_version(version_id)
             self.metrics.reloads.labels(outcome="loaded").inc()
             log.info("serving version %s (was %s)", version_id, old.version if old else "none")

@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from models.inputs import InputLimits
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HCLIP_", env_file=None, extra="ignore")
@@ -23,6 +25,18 @@ class Settings(BaseSettings):
     default_k: int = Field(10, ge=1)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_embed_inputs: int = Field(64, ge=1)
+    max_json_depth: int = Field(32, ge=2, description="nesting of [ and { in a request body")
+    # Limits on one raw input, checked before any decoding (models.inputs.InputLimits).
+    max_media_bytes: int = Field(6 * 1024 * 1024, ge=1024, description="one image or clip")
+    max_image_pixels: int = Field(4096 * 4096, ge=64, description="width x height, from the header")
+    max_audio_seconds: float = Field(60.0, gt=0, description="a clip's length, from its header")
+    min_sample_rate: int = Field(1000, ge=1)
+    max_sample_rate: int = Field(192_000, ge=1)
+    max_text_chars: int = Field(4096, ge=1)
+
+    # Backpressure: bounded queues, and a deadline after which a request gives up (503).
+    max_pending: int = Field(256, ge=1, description="queued requests per batcher, then 503")
+    request_timeout_s: float = Field(10.0, gt=0, description="per request, then 503")
 
     cache_ttl_s: int = Field(300, ge=1)
     cache_max_items: int = Field(10_000, ge=1, description="in-process cache size")
@@ -31,6 +45,8 @@ class Settings(BaseSettings):
     cache_prefix: str = "hclip:v1"
 
     poll_interval_s: float = Field(2.0, gt=0, description="how often CURRENT is checked")
+    reload_retry_s: float = Field(1.0, gt=0, description="first retry of a rejected version")
+    reload_retry_max_s: float = Field(60.0, gt=0, description="backoff doubles up to this")
     verify_on_load: Literal["quick", "full", "off"] = Field(
         "quick",
         description="quick: sizes and small files' checksums, O(1) in the record count; "
@@ -43,6 +59,16 @@ class Settings(BaseSettings):
     faiss_threads: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
     blas_min_queries: int = Field(3, ge=1, description="batches this large go through BLAS")
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(
+            max_media_bytes=self.max_media_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_audio_seconds=self.max_audio_seconds,
+            min_sample_rate=self.min_sample_rate,
+            max_sample_rate=self.max_sample_rate,
+            max_text_chars=self.max_text_chars,
+        )
 
     @field_validator("verify_on_load", mode="before")
     @classmethod

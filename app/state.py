@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -13,6 +12,7 @@ from app.errors import NotReady
 from app.metrics import Metrics
 from app.serving import ServingVersion, VersionManager
 from app.settings import Settings
+from app.workers import WorkerPools
 
 
 @dataclass
@@ -21,8 +21,7 @@ class AppState:
     metrics: Metrics
     cache: Cache
     versions: VersionManager
-    encode_executor: ThreadPoolExecutor
-    faiss_executor: ThreadPoolExecutor
+    pools: WorkerPools
 
 
 async def get_state(request: Request) -> AppState:

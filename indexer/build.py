@@ -276,4 +276,4 @@ def summary(result: JobResult) -> Iterator[str]:
         kind, recall = v["spec"]["kind"], v["recall_at_10"]
         yield f"  view {name:<20} {v['count']:>9} records  {kind:<6} recall@10 {recall}"
     for r in result.rejected:
-        yield f"  rejected line {r.line} id {r.id!r}: {r.reason}"
+        yield f"  rejected {r.where()}: {r.reason}"

@@ -58,6 +58,12 @@ class Rejected:
     def to_dict(self) -> dict[str, Any]:
         return {"line": self.line, "id": self.id, "reason": self.reason}
 
+    def where(self) -> str:
+        """As RecordError names it: `line 3, id 'r-2'` (either part may be missing)."""
+        parts = [f"line {self.line}"] if self.line is not None else []
+        parts += [f"id {self.id!r}"] if self.id is not None else []
+        return ", ".join(parts) or "a record"
+
 
 def payload_json(payload: Any, line: int | None, rid: str) -> bytes:
     if not isinstance(payload, dict):

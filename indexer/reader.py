@@ -110,8 +110,11 @@ class LoadedVersion:
     def _open_view(self, name: str, entry: dict[str, Any], mmap: bool) -> View:
         spec = IndexSpec.from_dict(entry["spec"])
         path = self.path / artifact.VIEWS / f"{name}.faiss"
-        # Flat indexes are served memory-mapped: many versions can be open at little cost.
-        flags = faiss.IO_FLAG_MMAP | faiss.IO_FLAG_READ_ONLY if (mmap and spec.exact) else 0
+        # Flat indexes are served memory-mapped, in place: IO_FLAG_MMAP alone copies the vectors
+        # into anonymous memory (measured: 250 MB resident for 1M x 64 before any search);
+        # IO_FLAG_MMAP_IFC maps the file, so pages come in as searches touch them and two
+        # versions open during a swap share the page cache.
+        flags = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if (mmap and spec.exact) else 0
         index = faiss.read_index(str(path), flags)
         set_search_params(index, spec)
         rows = np.load(self.path / artifact.VIEWS / f"{name}.rows.npy", mmap_mode="r")

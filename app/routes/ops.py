@@ -3,24 +3,33 @@
 from __future__ import annotations
 
 import hmac
+import time
 from typing import Annotated
 
 from fastapi import APIRouter, Header
 from starlette.responses import Response
 
 from app.errors import NotReady, Unauthorized
+from app.requests import ApiRoute
 from app.responses import JSONResponse
-from app.state import Serving, State
+from app.routes.docs import errors
+from app.schemas import Health, InfoResponse, Ready, ReloadResponse
+from app.state import AppState, Serving, State
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=Health, summary="Liveness: the process answers")
 async def healthz() -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz")
+@router.get(
+    "/readyz",
+    response_model=Ready,
+    responses=errors(503),
+    summary="Readiness: a version is loaded",
+)
 async def readyz(state: State) -> JSONResponse:
     current = state.versions.current
     if current is None:
@@ -28,7 +37,25 @@ async def readyz(state: State) -> JSONResponse:
     return JSONResponse({"status": "ready", "index_version": current.version})
 
 
-@router.get("/v1/info")
+def _rejected(state: AppState) -> list[dict[str, object]]:
+    now = time.monotonic()
+    return [
+        {
+            "version": version,
+            "reason": r.reason,
+            "attempts": r.attempts,
+            "next_retry_in_s": round(max(0.0, r.retry_at - now), 3),
+        }
+        for version, r in state.versions.rejected.items()
+    ]
+
+
+@router.get(
+    "/v1/info",
+    response_model=InfoResponse,
+    responses=errors(503),
+    summary="The model, the loaded index version, its views and counts",
+)
 async def info(state: State, serving: Serving) -> JSONResponse:
     m = serving.index.manifest
     model = serving.model
@@ -50,22 +77,43 @@ async def info(state: State, serving: Serving) -> JSONResponse:
             },
             "counts": m["counts"],
             "cache": state.cache.backend,
+            "rejected_versions": _rejected(state),
         }
     )
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    summary="Prometheus metrics, text format",
+)
 async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-@router.post("/v1/admin/reload")
+def _token_matches(authorization: str | None, token: str | None) -> bool:
+    if not token or not authorization:
+        return False
+    scheme, _, presented = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # Bytes, not str: compare_digest refuses non-ASCII str, and a header may hold any byte.
+    return hmac.compare_digest(
+        presented.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8")
+    )
+
+
+@router.post(
+    "/v1/admin/reload",
+    response_model=ReloadResponse,
+    responses=errors(401, 409),
+    summary="Load the version CURRENT names now (a rejected one is retried at once)",
+)
 async def reload(
     state: State, authorization: Annotated[str | None, Header()] = None
 ) -> JSONResponse:
-    token = state.settings.admin_token
-    presented = (authorization or "").removeprefix("Bearer ").strip()
-    if not token or not authorization or not hmac.compare_digest(presented, token):
+    if not _token_matches(authorization, state.settings.admin_token):
         raise Unauthorized("admin endpoints need 'Authorization: Bearer <HCLIP_ADMIN_TOKEN>'")
     changed = await state.versions.refresh(force=True)
     current = state.versions.current

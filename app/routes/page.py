@@ -10,13 +10,15 @@ from starlette.responses import FileResponse
 from starlette.staticfiles import StaticFiles
 
 from app.errors import NotFound
+from app.requests import ApiRoute
 from app.responses import JSONResponse
+from app.routes.docs import errors
 from app.state import State
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 EXAMPLES = "examples.json"
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
 @router.get("/", include_in_schema=False)
@@ -24,7 +26,11 @@ async def page() -> FileResponse:
     return FileResponse(STATIC / "index.html")
 
 
-@router.get("/v1/demo/examples")
+@router.get(
+    "/v1/demo/examples",
+    responses=errors(404),
+    summary="The demo's held-out examples for the page's pickers (demo mode only)",
+)
 async def examples(state: State) -> JSONResponse:
     media = state.settings.media_dir
     if media is None or not (media / EXAMPLES).is_file():

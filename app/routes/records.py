@@ -5,11 +5,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from app.errors import NotFound
+from app.requests import ApiRoute
 from app.responses import JSONResponse
+from app.routes.docs import errors
+from app.schemas import RecordEmbeddingsResponse, RecordResponse
 from app.serving import ServingVersion
 from app.state import Serving
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
 
 
 def _row(serving: ServingVersion, record_id: str) -> int:
@@ -19,13 +22,23 @@ def _row(serving: ServingVersion, record_id: str) -> int:
     return row
 
 
-@router.get("/v1/records/{record_id}")
+@router.get(
+    "/v1/records/{record_id}",
+    response_model=RecordResponse,
+    responses=errors(404, 503),
+    summary="A record's payload and modalities",
+)
 async def record(record_id: str, serving: Serving) -> JSONResponse:
     rec = serving.index.records[_row(serving, record_id)]
     return JSONResponse({**rec, "index_version": serving.version})
 
 
-@router.get("/v1/records/{record_id}/embeddings")
+@router.get(
+    "/v1/records/{record_id}/embeddings",
+    response_model=RecordEmbeddingsResponse,
+    responses=errors(404, 503),
+    summary="A record's stored per-modality embeddings (to recompute any score)",
+)
 async def record_embeddings(record_id: str, serving: Serving) -> JSONResponse:
     row = _row(serving, record_id)
     return JSONResponse(

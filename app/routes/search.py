@@ -3,69 +3,62 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar, cast
 
 import numpy as np
 import orjson
 import torch
 from fastapi import APIRouter
-from pydantic import BaseModel, Field
 
-from app.errors import InvalidInput
-from app.query import check_embedding, digest, encode_batch_blocking, encode_raw
+from app.errors import InvalidInput, Unanswerable
+from app.query import (
+    check_embedding,
+    check_raw,
+    deadline,
+    digest,
+    encode_one,
+    encode_raw,
+    input_digest,
+    query_modalities,
+)
+from app.requests import ApiRoute
 from app.responses import JSONResponse
+from app.routes.docs import errors
+from app.schemas import EmbedRequest, EmbedResponse, SearchRequest, SearchResponse
 from app.serving import ServingVersion
 from app.state import AppState, Serving, State
 
-router = APIRouter()
+router = APIRouter(route_class=ApiRoute)
+
+T = TypeVar("T")
 
 
-class SearchBody(BaseModel):
-    query: dict[str, Any] = Field(default_factory=dict, description="modality -> raw input")
-    embeddings: dict[str, Any] = Field(default_factory=dict, description="modality -> [floats]")
-    k: int | None = Field(None, description="results wanted (default HCLIP_DEFAULT_K)")
-
-
-class EmbedBody(BaseModel):
-    modality: str
-    inputs: list[Any]
-
-
-def _modalities(body: SearchBody, serving: ServingVersion) -> tuple[str, ...]:
-    names = serving.model.names
-    both = sorted(set(body.query) & set(body.embeddings))
-    if both:
-        raise InvalidInput(f"modality {both[0]!r} is given both raw and as an embedding")
-    given = tuple(sorted(set(body.query) | set(body.embeddings)))
-    unknown = [m for m in given if m not in names]
-    if unknown:
-        raise InvalidInput(f"unknown modality {unknown[0]!r} (model has: {', '.join(names)})")
-    if not given:
-        raise InvalidInput("the query names no modality: give 'query' or 'embeddings'")
-    if len(given) == len(names):
-        raise InvalidInput("the query names every modality: nothing is left to retrieve")
-    return given
+async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """All results, or the first error once every awaitable has finished (none is left
+    running unobserved)."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return cast(list[T], results)
 
 
 async def _query_vector(
-    state: AppState, serving: ServingVersion, body: SearchBody, modalities: tuple[str, ...]
+    state: AppState,
+    serving: ServingVersion,
+    body: SearchRequest,
+    modalities: tuple[str, ...],
+    digests: dict[str, str],
 ) -> np.ndarray:
     s = state.settings
     d = serving.model.cfg.latent_dim
-    given = {m: check_embedding(m, v, d) for m, v in body.embeddings.items()}
-    raw = await asyncio.gather(
-        *(
-            encode_raw(
-                serving,
-                m,
-                v,
-                state.cache,
-                s.cache_prefix,
-                s.cache_ttl_s,
-                state.metrics,
-            )
-            for m, v in body.query.items()
+    given = {m: check_embedding(f"embeddings.{m}", v, d) for m, v in body.embeddings.items()}
+    raw = await gather_all(
+        encode_raw(
+            serving, m, v, digests[m], state.cache, s.cache_prefix, s.cache_ttl_s, state.metrics
         )
+        for m, v in body.query.items()
     )
     embs = {**given, **dict(zip(body.query, raw, strict=True))}
     with torch.no_grad():
@@ -73,30 +66,43 @@ async def _query_vector(
     return q[0].numpy().astype(np.float32)  # (D,)
 
 
-@router.post("/v1/search")
-async def search(body: SearchBody, state: State, serving: Serving) -> JSONResponse:
+@router.post(
+    "/v1/search",
+    response_model=SearchResponse,
+    responses=errors(400, 413, 422, 503),
+    summary="Nearest records for a query of one or more modalities",
+)
+async def search(body: SearchRequest, state: State, serving: Serving) -> JSONResponse:
     s = state.settings
     k = s.default_k if body.k is None else body.k
-    if not 1 <= k <= s.max_k:
-        raise InvalidInput(f"k: must be between 1 and {s.max_k}, got {k}")
-    modalities = _modalities(body, serving)
+    if k > s.max_k:
+        raise InvalidInput(f"k: must be between 1 and {s.max_k} (HCLIP_MAX_K), got {k}")
+    modalities = query_modalities(serving, list(body.query), list(body.embeddings))
     view_name = "+".join(modalities)
     searcher = serving.searchers.get(view_name)
     if searcher is None:
-        raise InvalidInput(
+        raise Unanswerable(
             f"no index for query modalities {view_name!r} (views: {', '.join(serving.searchers)})"
         )
-    key = (
-        f"{s.cache_prefix}:res:{serving.version}:"
-        f"{digest({'q': body.query, 'e': body.embeddings, 'k': k})}"
-    )
-    hit = await state.cache.get(key)
-    if hit is not None:
-        state.metrics.cache.labels(kind="result", outcome="hit").inc()
-        return JSONResponse({**orjson.loads(hit), "cached": True})
-    state.metrics.cache.labels(kind="result", outcome="miss").inc()
-    xq = await _query_vector(state, serving, body, modalities)
-    scores, rows = await searcher.submit((xq, k))
+    for m, v in body.query.items():
+        check_raw(serving, m, v, f"query.{m}")
+    async with deadline(s.request_timeout_s, state.metrics):
+        # Each raw input is hashed once: its digest keys both caches.
+        digests = dict(
+            zip(body.query, await gather_all(input_digest(v) for v in body.query.values()),
+                strict=True)
+        )  # fmt: skip
+        key = (
+            f"{s.cache_prefix}:res:{serving.version}:"
+            f"{digest({'q': digests, 'e': body.embeddings, 'k': k})}"
+        )
+        hit = await state.cache.get(key)
+        if hit is not None:
+            state.metrics.cache.labels(kind="result", outcome="hit").inc()
+            return JSONResponse({**orjson.loads(hit), "cached": True})
+        state.metrics.cache.labels(kind="result", outcome="miss").inc()
+        xq = await _query_vector(state, serving, body, modalities, digests)
+        scores, rows = await searcher.submit((xq, k))
     records = serving.index.records
     # Payloads go into the response as the JSON bytes the record store holds, unparsed.
     results = [
@@ -105,21 +111,36 @@ async def search(body: SearchBody, state: State, serving: Serving) -> JSONRespon
         if r >= 0
     ]
     out = {"index_version": serving.version, "view": view_name, "results": results}
-    await state.cache.set(key, orjson.dumps(out), s.cache_ttl_s)
+    encoded = orjson.dumps(out)
+    await state.cache.set(key, encoded, s.cache_ttl_s)
     return JSONResponse({**out, "cached": False})
 
 
-@router.post("/v1/embed")
-async def embed(body: EmbedBody, state: State, serving: Serving) -> JSONResponse:
+@router.post(
+    "/v1/embed",
+    response_model=EmbedResponse,
+    responses=errors(413, 422, 503),
+    summary="Embeddings of raw inputs of one modality",
+)
+async def embed(body: EmbedRequest, state: State, serving: Serving) -> JSONResponse:
     model = serving.model
     if body.modality not in model.names:
         raise InvalidInput(
             f"modality: unknown modality {body.modality!r} (model has: {', '.join(model.names)})"
         )
-    if not 1 <= len(body.inputs) <= state.settings.max_embed_inputs:
-        raise InvalidInput(f"inputs: give 1 to {state.settings.max_embed_inputs} inputs")
-    loop = asyncio.get_running_loop()
-    embs = await loop.run_in_executor(
-        state.encode_executor, encode_batch_blocking, model, body.modality, body.inputs
+    limit = state.settings.max_embed_inputs
+    if len(body.inputs) > limit:
+        raise InvalidInput(
+            f"inputs: at most {limit} inputs (HCLIP_MAX_EMBED_INPUTS), got {len(body.inputs)}"
+        )
+    fields = [f"inputs[{i}]" for i in range(len(body.inputs))]
+    for value, field in zip(body.inputs, fields, strict=True):
+        check_raw(serving, body.modality, value, field)
+    async with deadline(state.settings.request_timeout_s, state.metrics):
+        embs = await gather_all(
+            encode_one(serving, body.modality, v, f)
+            for v, f in zip(body.inputs, fields, strict=True)
+        )
+    return JSONResponse(
+        {"model_fingerprint": serving.fingerprint, "embeddings": np.stack(embs).tolist()}
     )
-    return JSONResponse({"model_fingerprint": serving.fingerprint, "embeddings": embs.tolist()})

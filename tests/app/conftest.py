@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from app.main import create_app
 from app.settings import Settings
@@ -28,11 +29,18 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running(settings: Settings, wait_ready: bool = True) -> Iterator[httpx.Client]:
-    """Starts uvicorn in a thread; yields a client for it; stops it on exit."""
+def running(
+    settings: Settings, wait_ready: bool = True, app: FastAPI | None = None
+) -> Iterator[httpx.Client]:
+    """Starts uvicorn in a thread (with `app`, or the app `settings` make); yields a client for
+    it; stops it on exit."""
     port = free_port()
     config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=port, log_level="warning", access_log=False
+        app or create_app(settings),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        access_log=False,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)

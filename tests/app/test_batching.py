@@ -33,8 +33,11 @@ def test_concurrent_submissions_are_gathered() -> None:
     assert isinstance(results[13], ValueError)  # only the bad item fails
 
 
-def test_a_failing_call_fails_its_whole_batch_only() -> None:
+def test_a_failing_call_fails_only_the_item_that_broke_it() -> None:
+    calls: list[list[int]] = []
+
     def run(items: list[int]) -> list[int | Exception]:
+        calls.append(items)
         if 3 in items:
             raise RuntimeError("boom")
         return list(items)
@@ -45,7 +48,8 @@ def test_a_failing_call_fails_its_whole_batch_only() -> None:
         return [*first, await b.submit(5)]
 
     r = asyncio.run(main())
-    assert isinstance(r[0], RuntimeError) and isinstance(r[1], RuntimeError) and r[2] == 5
+    assert isinstance(r[0], RuntimeError) and r[1:] == [4, 5]
+    assert calls == [[3, 4], [3], [4], [5]]  # the batch failed, then each item alone
 
 
 def test_search_batches_equal_one_by_one_searches() -> None:

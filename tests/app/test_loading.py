@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import quote
 
@@ -16,6 +15,7 @@ import pytest
 from app.errors import VersionRejected
 from app.metrics import Metrics
 from app.serving import VersionManager, open_checked
+from app.workers import WorkerPools
 from indexer import artifact
 from indexer.reader import LoadedVersion
 from tests.app.conftest import build_index, records_v, running, settings_for
@@ -73,8 +73,8 @@ def test_a_swapped_out_version_is_unmapped_when_its_last_holder_lets_go(
     v1 = build_index(root, model_dir, records_v("v1", n=60), tmp_path)
 
     async def main() -> None:
-        pool = ThreadPoolExecutor(1)
-        vm = VersionManager(settings_for(root), Metrics(), pool, pool)
+        pools = WorkerPools(1, 1)
+        vm = VersionManager(settings_for(root), Metrics(), pools)
         assert await vm.refresh()
         held = vm.current  # what a request in flight holds
         assert held is not None and held.version == v1
@@ -86,6 +86,6 @@ def test_a_swapped_out_version_is_unmapped_when_its_last_holder_lets_go(
         gc.collect()
         assert v1_dir not in mapped_paths()
         assert str(artifact.version_dir(root, v2)) in mapped_paths()
-        pool.shutdown()
+        pools.shutdown()
 
     asyncio.run(main())

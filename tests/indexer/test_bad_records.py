@@ -55,7 +55,47 @@ CASES = [
     (lambda r: r.update(smell="roses"), "line 3, id 'g2': unknown modality 'smell'"),
     (lambda r: r.update(payload=[1]), "line 3, id 'g2': 'payload' must be a JSON object"),
     (lambda r: r.update(id=7), "line 3: 'id' must be a non-empty string"),
+    (lambda r: r.update(vec="abc"), "line 3, id 'g2': vec: vector must be a list of numbers"),
+    (lambda r: r.update(vec=[True, 1, 2]), "line 3, id 'g2': vec: vector must be a list of"),
+    (lambda r: r.update(vec=None, image=None, audio=None), "line 3, id 'g2': record has no"),
 ]
+
+# Lines that are not a record at all: the Validator sees them like any other bad line.
+RAW_CASES = [
+    (lambda line: line[:-5], "line 3: not valid JSON"),
+    (lambda line: line.replace('"vec": [2, ', '"vec": [NaN, '), "line 3, id 'g2': not valid JSON"),
+    (lambda line: "[1, 2, 3]", "line 3: expected a JSON object"),
+    (lambda line: '"just a string"', "line 3: expected a JSON object"),
+]
+
+
+def write_raw(path: Path, mutate) -> None:
+    lines = [json.dumps(good(i)) for i in range(4)]
+    lines[2] = mutate(lines[2])
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize(("mutate", "message"), RAW_CASES)
+def test_a_line_that_is_not_a_record_fails_the_build(
+    tmp_path: Path, mm_model: Path, capsys, mutate, message: str
+) -> None:
+    write_raw(tmp_path / "r.jsonl", mutate)
+    root = tmp_path / "root"
+    assert index_build(mm_model, tmp_path / "r.jsonl", root) == 2
+    assert message in capsys.readouterr().err
+    assert artifact.read_current(root) is None
+
+
+@pytest.mark.parametrize(("mutate", "message"), RAW_CASES)
+def test_skip_bad_skips_a_line_that_is_not_a_record(
+    tmp_path: Path, mm_model: Path, capsys, mutate, message: str
+) -> None:
+    write_raw(tmp_path / "r.jsonl", mutate)
+    root = tmp_path / "root"
+    assert index_build(mm_model, tmp_path / "r.jsonl", root, "--skip-bad") == 0
+    assert f"rejected {message}" in capsys.readouterr().out
+    m = artifact.read_manifest(artifact.current_version_dir(root))
+    assert m["counts"]["records"] == 3 and m["counts"]["rejected"] == 1
 
 
 @pytest.mark.parametrize(("mutate", "message"), CASES)
@@ -80,6 +120,23 @@ def test_nan_literal_names_the_line(tmp_path: Path, mm_model: Path, capsys) -> N
     assert "line 2, id 'g1': not valid JSON (NaN is not valid JSON)" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("mutate", "message"), CASES)
+def test_skip_bad_leaves_each_kind_of_bad_record_out(
+    tmp_path: Path, mm_model: Path, capsys, mutate, message: str
+) -> None:
+    rows = [good(i) for i in range(4)]
+    mutate(rows[2])
+    write_jsonl(tmp_path / "r.jsonl", rows)
+    root = tmp_path / "root"
+    assert index_build(mm_model, tmp_path / "r.jsonl", root, "--skip-bad") == 0
+    assert f"rejected {message}" in capsys.readouterr().out
+    vdir = artifact.current_version_dir(root)
+    m = artifact.read_manifest(vdir)
+    assert m["counts"]["records"] == 3 and m["counts"]["rejected"] == 1
+    listed = [json.loads(x) for x in (vdir / m["rejected_file"]).read_text().splitlines()]
+    assert listed == m["rejected"] and listed[0]["line"] == 3
+
+
 def test_skip_bad_reports_and_leaves_them_out(tmp_path: Path, mm_model: Path, capsys) -> None:
     rows = [good(i) for i in range(6)]
     rows[2]["vec"] = [1.0]
@@ -89,9 +146,9 @@ def test_skip_bad_reports_and_leaves_them_out(tmp_path: Path, mm_model: Path, ca
     root = tmp_path / "root"
     assert index_build(mm_model, tmp_path / "r.jsonl", root, "--skip-bad") == 0
     out = capsys.readouterr().out
-    assert "rejected line 3 id 'g2': vec: vector must have length 3" in out
-    assert "rejected line 5 id 'g4': unknown modality 'smell'" in out
-    assert "rejected line 6 id 'g0': duplicate id, first seen on line 1" in out
+    assert "rejected line 3, id 'g2': vec: vector must have length 3" in out
+    assert "rejected line 5, id 'g4': unknown modality 'smell'" in out
+    assert "rejected line 6, id 'g0': duplicate id, first seen on line 1" in out
     m = artifact.read_manifest(artifact.current_version_dir(root))
     assert m["counts"] == {
         "records": 3,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -127,3 +128,52 @@ def test_update_without_a_published_version(tmp_path: Path, capsys) -> None:
         run_cli("index", "update", "--root", tmp_path / "root", "--delete", tmp_path / "d.txt") == 2
     )
     assert "no published version" in capsys.readouterr().err
+
+
+def test_an_invalid_upsert_of_an_existing_id_keeps_the_old_record(tmp_path: Path, capsys) -> None:
+    base = vector_records(30, DIMS, seed=0)
+    write_jsonl(tmp_path / "base.jsonl", base)
+    model_dir = make_model_dir(tmp_path / "m")
+    root = tmp_path / "root"
+    assert index_build(model_dir, tmp_path / "base.jsonl", root) == 0
+    old = LoadedVersion(artifact.current_version_dir(root))
+    kept_emb = {n: np.asarray(old.stored.embeddings[n][5]) for n in ("a", "b", "c")}
+    bad = dict(base[5], a=[1.0, 2.0])  # wrong length: invalid
+    good = dict(base[6], payload={"replaced": True})
+    lines = [json.dumps(bad), json.dumps(good), "{not json", json.dumps(dict(base[7], b="x"))]
+    (tmp_path / "up.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "del.txt").write_text("r-00009\n")
+    first = artifact.read_current(root)
+
+    # Without --skip-bad: nothing is published.
+    args = ["index", "update", "--root", root, "--upsert", tmp_path / "up.jsonl", "--quiet"]
+    assert run_cli(*args, "--delete", tmp_path / "del.txt") == 2
+    assert "line 1, id 'r-00005': a: vector must have length 6, got 2" in capsys.readouterr().err
+    assert artifact.read_current(root) == first
+
+    # With it: the invalid upserts are left out and their ids keep their old records.
+    assert run_cli(*args, "--delete", tmp_path / "del.txt", "--skip-bad") == 0
+    out = capsys.readouterr().out
+    assert "rejected line 1, id 'r-00005': a: vector must have length 6" in out
+    assert "rejected line 3: not valid JSON" in out
+    assert "rejected line 4, id 'r-00007': b: vector must be a list of numbers" in out
+    new = LoadedVersion(artifact.current_version_dir(root))
+    ids = [r["id"] for r in new.records]
+    assert len(ids) == 29 and "r-00009" not in ids and {"r-00005", "r-00007"} <= set(ids)
+    row = new.records.row_of("r-00005")
+    assert row is not None and new.records[row]["payload"] == base[5]["payload"]
+    for n, e in kept_emb.items():
+        assert np.array_equal(np.asarray(new.stored.embeddings[n][row]), e)
+    replaced = new.records.row_of("r-00006")
+    assert replaced is not None and new.records[replaced]["payload"] == {"replaced": True}
+    m = new.manifest
+    assert m["counts"]["records"] == 29 and m["counts"]["rejected"] == 3
+    assert m["update"] == {
+        "kept": 28,
+        "encoded": 1,
+        "replaced": 1,
+        "deleted": 1,
+        "deleted_not_found": [],
+    }
+    assert [r["line"] for r in m["rejected"]] == [1, 3, 4]
+    assert verify(new.path) == []
