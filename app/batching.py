@@ -132,12 +132,14 @@ def search_batcher(
     wait_s: float,
     on_batch: Callable[[int], None],
     max_pending: int = 1024,
+    kernel_for: Callable[[int], str] = lambda n: "faiss",
 ) -> MicroBatcher[tuple[np.ndarray, int], SearchResult]:
-    """Items are (query vector (D,), k)."""
+    """Items are (query vector (D,), k); a flat view's batch goes to the exact kernel that
+    `kernel_for(batch size)` names (indexer.flat.Router)."""
 
     def run(items: list[tuple[np.ndarray, int]]) -> list[SearchResult | Exception]:
         xq = np.stack([x for x, _ in items])  # (B, D)
-        scores, rows = view.search(xq, max(k for _, k in items))
+        scores, rows = view.search(xq, max(k for _, k in items), kernel_for(len(items)))
         return [(scores[i, :k], rows[i, :k]) for i, (_, k) in enumerate(items)]
 
     return MicroBatcher(

@@ -45,6 +45,11 @@ class Metrics:
             registry=r,
         )
         self.reloads = Counter("hclip_reloads_total", "version loads", ["outcome"], registry=r)
+        self.load_seconds = Gauge(
+            "hclip_version_load_seconds",
+            "how long opening the last loaded version took",
+            registry=r,
+        )
         self.rejected_versions = Gauge(
             "hclip_rejected_versions",
             "versions CURRENT named that could not be loaded (retried with backoff)",

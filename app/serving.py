@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import faiss
 import numpy as np
 
 from app.batching import MicroBatcher, SearchResult, encode_batcher, search_batcher
@@ -23,8 +23,9 @@ from app.metrics import Metrics
 from app.settings import Settings
 from app.workers import WorkerPools
 from indexer import artifact
+from indexer.flat import Router
 from indexer.reader import LoadedVersion
-from indexer.verify import verify_files, verify_opened
+from indexer.verify import verify_contents, verify_files
 from models.checkpoint import fingerprint, load_model
 from models.model import MultimodalModel
 
@@ -42,7 +43,7 @@ def open_checked(vdir: Path, level: str) -> LoadedVersion:
         index = LoadedVersion(vdir)
     except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
-    problems = verify_opened(index) if level == "full" else []
+    problems = verify_contents(vdir) if level == "full" else []
     if problems:
         raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
     return index
@@ -64,6 +65,12 @@ class ServingVersion:
     @property
     def fingerprint(self) -> str:
         return self.index.fingerprint
+
+
+def _log_failure(job: Future[None]) -> None:
+    exc = job.exception()
+    if exc is not None:
+        log.error("measuring the search kernels failed; the default rule stays", exc_info=exc)
 
 
 @dataclass
@@ -89,6 +96,7 @@ class VersionManager:
         self._models: dict[str, MultimodalModel] = {}
         self._lock = asyncio.Lock()
         self._blas_threshold_set = False
+        self.routers: dict[int, Router] = {}  # vector width -> exact kernels by batch size
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers."""
@@ -117,20 +125,33 @@ class VersionManager:
         self._models = {index.fingerprint: model}  # keep only the model in use
         return model
 
+    def _router(self, dim: int) -> Router:
+        """The exact kernels' router for vectors of `dim`, measured on first use. The work is
+        queued on the FAISS thread, so that it never runs beside a search (the first
+        measurement sets FAISS's process-wide BLAS threshold, once), and is not waited for:
+        the version serves at once, with the router's default rule until the table is in."""
+        router = self.routers.get(dim)
+        if router is None:
+            router = Router()
+            first = not self._blas_threshold_set
+            if self.settings.calibrate_kernels:
+                job = self.pools.faiss.submit(router.calibrate, dim, set_threshold=first)
+                job.add_done_callback(_log_failure)
+            elif first:
+                self.pools.faiss.submit(router.keep_faiss_scanning)
+            self._blas_threshold_set = True
+            self.routers[dim] = router
+        return router
+
     def _serving(self, index: LoadedVersion, model: MultimodalModel) -> ServingVersion:
         s = self.settings
-        if not self._blas_threshold_set and index.views:
-            # A process-wide FAISS global: set once, before the first search, never while
-            # searches run. Batches of blas_min_queries or more take the BLAS path.
-            dim = min(v.index.d for v in index.views.values())
-            faiss.cvar.distance_compute_blas_threshold = s.blas_min_queries * dim
-            self._blas_threshold_set = True
         serving = ServingVersion(index, model)
         wait_s = s.batch_wait_ms / 1000.0
         for name, view in index.views.items():
+            router = self._router(view.dim) if view.vectors is not None else None
             serving.searchers[name] = search_batcher(
                 view, self.pools.faiss, s.batch_max, wait_s, self.metrics.batch_size.observe,
-                s.max_pending,
+                s.max_pending, router.kernel_for if router else lambda n: "faiss",
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:
@@ -170,6 +191,7 @@ class VersionManager:
             rejected = self.rejected.get(version_id)
             if rejected is not None and not force and time.monotonic() < rejected.retry_at:
                 return False
+            t0 = time.perf_counter()
             try:
                 serving = await asyncio.get_running_loop().run_in_executor(
                     None, self._open, version_id
@@ -177,6 +199,8 @@ class VersionManager:
             except VersionRejected as exc:
                 self._reject(version_id, exc.message)
                 raise
+            took = time.perf_counter() - t0
+            self.metrics.load_seconds.set(took)
             old = self.current
             self.current = serving
             # A version CURRENT no longer names will not be tried again.
@@ -184,7 +208,12 @@ class VersionManager:
             self.metrics.rejected_versions.set(0)
             self.metrics.set_version(version_id)
             self.metrics.reloads.labels(outcome="loaded").inc()
-            log.info("serving version %s (was %s)", version_id, old.version if old else "none")
+            log.info(
+                "serving version %s (was %s), opened in %.3f s",
+                version_id,
+                old.version if old else "none",
+                took,
+            )
             return True
 
     async def poll_forever(self) -> None:

@@ -58,7 +58,11 @@ class Settings(BaseSettings):
     batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")
     faiss_threads: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
-    blas_min_queries: int = Field(3, ge=1, description="batches this large go through BLAS")
+    calibrate_kernels: bool = Field(
+        True,
+        description="time the exact search kernels at start-up (about half a second on the "
+        "FAISS thread) and route each batch to the fastest for its size",
+    )
 
     def input_limits(self) -> InputLimits:
         return InputLimits(

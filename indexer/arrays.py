@@ -1,6 +1,6 @@
-"""Row-appendable files whose length is unknown until the end: `.npy` matrices and flat FAISS
-indexes. Both are written in one streaming pass (memory: one chunk) and get their final header
-when closed, so readers can memory-map them.
+"""Row-appendable `.npy` files whose length is unknown until the end: written in one streaming
+pass (memory: one chunk), they get their final header when closed, so readers can memory-map
+them.
 """
 
 from __future__ import annotations
@@ -86,31 +86,6 @@ class NpyAppender(_Appender):
 
     def _header(self) -> bytes:
         return _npy_header(self.rows, self.dim, self.dtype.str)
-
-
-_METRIC_INNER_PRODUCT = 0
-_FLAT_HEADER = struct.Struct("<4siqqqBiq")  # fourcc, d, ntotal, 2 dummies, trained, metric, size
-
-
-class FlatIPAppender(_Appender):
-    """An IndexFlatIP file byte-identical to faiss.write_index's, written without holding the
-    vectors in memory; faiss.read_index(path, faiss.IO_FLAG_MMAP) maps it read-only."""
-
-    def __init__(self, path: Path, dim: int):
-        super().__init__(path, dim, _FLAT_HEADER.size)
-        self.width = dim
-
-    def _header(self) -> bytes:
-        return _FLAT_HEADER.pack(
-            b"IxFI",
-            self.dim,
-            self.rows,
-            1 << 20,
-            1 << 20,
-            1,
-            _METRIC_INNER_PRODUCT,
-            self.rows * self.width,
-        )
 
 
 class NpyRows:

@@ -20,7 +20,7 @@ from indexer.reader import LoadedVersion, embedding_path, load_rows
 from indexer.recordstore import RecordStore
 from indexer.sources import iter_records
 from indexer.specs import IndexSpec
-from indexer.verify import verify_opened
+from indexer.verify import verify_contents
 from indexer.views import build_view
 from models.checkpoint import fingerprint, load_model, read_config
 from models.heads import default_views
@@ -61,7 +61,8 @@ def _model_block(model_dir: Path, fp: str) -> dict[str, Any]:
 
 
 def _full_check(stage: Path) -> list[str]:
-    return verify_opened(LoadedVersion(stage))
+    LoadedVersion(stage).records.close()  # opening checks every shape against the manifest
+    return verify_contents(stage)
 
 
 def _write_rejects(stage: Path, rejected: list[Rejected]) -> None:

@@ -17,10 +17,10 @@ from typing import Any
 import faiss
 import numpy as np
 
-from indexer import artifact
+from indexer import artifact, flat, mips
 from indexer.arrays import NpyRows
 from indexer.recordstore import RecordStore, RecordStoreError
-from indexer.specs import IndexSpec, pad_queries, set_search_params
+from indexer.specs import IndexSpec, set_search_params
 from indexer.views import StoredRows
 
 log = logging.getLogger(__name__)
@@ -45,29 +45,40 @@ def load_rows(vdir: Path, names: list[str], mmap: bool = True) -> StoredRows:
 
 @dataclass
 class View:
+    """One view: its rows and either its vectors (flat: exact search by indexer.flat's kernels)
+    or an approximate FAISS index over the norm-augmented vectors (indexer.mips)."""
+
     name: str
     query: tuple[str, ...]
     target: tuple[str, ...]
     spec: IndexSpec
-    index: faiss.Index
-    rows: np.ndarray  # index position -> record row
+    rows: np.ndarray  # position -> record row
+    dim: int
+    vectors: np.ndarray | None = None  # flat: (n, dim) float32, memory-mapped
+    index: Any = None  # approximate: a FAISS index
     max_norm: float | None = None
     width: int | None = None
 
-    def search(self, xq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def count(self) -> int:
+        return len(self.rows)
+
+    def search(
+        self, xq: np.ndarray, k: int, kernel: str = "faiss"
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, record rows), both (nq, k'); k' = min(k, view size). Scores are exact
-        inner products for every index kind; rows of -1 mark missing results (IVF)."""
-        k = min(k, len(self.rows))
+        inner products for every index kind; rows of -1 mark missing results (IVF). `kernel`
+        names the exact kernel of a flat view (indexer.flat.KERNELS)."""
+        k = min(k, self.count)
         if k == 0:
             return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
         xq = np.ascontiguousarray(xq, dtype=np.float32)
-        if self.width is None:
-            scores, pos = self.index.search(xq, k)
+        if self.vectors is not None:
+            scores, pos = flat.search(kernel, xq, self.vectors, k)
         else:
-            assert self.max_norm is not None
-            dist, pos = self.index.search(pad_queries(xq, self.width), k)
-            qn = np.einsum("ij,ij->i", xq, xq)[:, None]
-            scores = (qn + self.max_norm**2 - dist) / 2.0  # undo the MIPS-to-L2 reduction
+            assert self.max_norm is not None and self.width is not None
+            dist, pos = self.index.search(mips.pad_queries(xq, self.width), k)
+            scores = mips.inner_products(xq, dist, self.max_norm)
         rows = np.where(pos >= 0, self.rows[np.clip(pos, 0, None)], -1)
         return scores, rows
 
@@ -109,31 +120,27 @@ class LoadedVersion:
 
     def _open_view(self, name: str, entry: dict[str, Any], mmap: bool) -> View:
         spec = IndexSpec.from_dict(entry["spec"])
-        path = self.path / artifact.VIEWS / f"{name}.faiss"
-        # Flat indexes are served memory-mapped, in place: IO_FLAG_MMAP alone copies the vectors
-        # into anonymous memory (measured: 250 MB resident for 1M x 64 before any search);
-        # IO_FLAG_MMAP_IFC maps the file, so pages come in as searches touch them and two
-        # versions open during a swap share the page cache.
-        flags = faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY if (mmap and spec.exact) else 0
-        index = faiss.read_index(str(path), flags)
-        set_search_params(index, spec)
-        rows = np.load(self.path / artifact.VIEWS / f"{name}.rows.npy", mmap_mode="r")
-        if index.ntotal != len(rows) or len(rows) != int(entry["count"]):
+        base = self.path / artifact.VIEWS
+        rows = np.load(base / f"{name}.rows.npy", mmap_mode="r")
+        dim, count = int(entry["dim"]), int(entry["count"])
+        view = View(name, tuple(entry["query"]), tuple(entry["target"]), spec, rows, dim)
+        if spec.exact:
+            # Copy-on-write keeps the map shareable and lets torch wrap it without a copy (it
+            # refuses read-only arrays); nothing ever writes to it.
+            view.vectors = np.load(base / f"{name}.npy", mmap_mode="c" if mmap else None)
+            held = view.vectors.shape
+        else:
+            view.index = faiss.read_index(str(base / f"{name}.faiss"))
+            set_search_params(view.index, spec)
+            view.max_norm = float(entry["augment"]["max_norm"])
+            view.width = int(entry["augment"]["width"])
+            held = (view.index.ntotal, dim)
+        if held != (count, dim) or len(rows) != count:
             raise artifact.ArtifactError(
-                f"{self.path}: view {name}: index holds {index.ntotal}, rows file {len(rows)}, "
-                f"manifest {entry['count']}"
+                f"{self.path}: view {name}: holds {held}, rows file {len(rows)}, manifest "
+                f"({count}, {dim})"
             )
-        aug = entry.get("augment")
-        return View(
-            name,
-            tuple(entry["query"]),
-            tuple(entry["target"]),
-            spec,
-            index,
-            rows,
-            aug["max_norm"] if aug else None,
-            aug["width"] if aug else None,
-        )
+        return view
 
     @property
     def fingerprint(self) -> str:

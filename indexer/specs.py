@@ -1,10 +1,5 @@
-"""Index specs (`--spec`) and the maximum-inner-product reduction for approximate indexes.
-
-Stored H-CLIP vectors are Hadamard products and not unit length, so graph and IVF indexes built
-for cosine lose recall on them. Approximate indexes therefore store [x ; sqrt(M^2 - |x|^2)]
-(M the largest norm) under L2 and search with [q ; 0]: then
-|q' - x'|^2 = |q|^2 + M^2 - 2 <q, x>, so the L2 nearest neighbour is the largest inner product,
-and the score is recovered exactly as (|q|^2 + M^2 - dist) / 2.
+"""Index specs (`--spec`) and the FAISS indexes they describe. Approximate indexes work on the
+norm-augmented vectors of indexer.mips.
 
 Spec strings: `flat` | `hnsw[:M=32,ef_construction=200,ef_search=128]` |
 `ivf[:nlist=1024,nprobe=32]` | `ivfpq[:nlist=1024,m=16,nbits=8,nprobe=32]`.
@@ -17,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faiss
-import numpy as np
 
 DEFAULTS: dict[str, dict[str, int]] = {
     "flat": {},
@@ -69,21 +63,6 @@ class IndexSpec:
     def from_dict(obj: dict[str, Any]) -> IndexSpec:
         params = {k: int(v) for k, v in obj.items() if k != "kind"}
         return IndexSpec(str(obj["kind"]), params)
-
-
-def augment(x: np.ndarray, max_norm: float, width: int) -> np.ndarray:
-    """[x ; sqrt(M^2 - |x|^2) ; 0 ...] padded to `width` columns (float32)."""
-    sq = np.einsum("ij,ij->i", x, x)
-    out = np.zeros((x.shape[0], width), dtype=np.float32)
-    out[:, : x.shape[1]] = x
-    out[:, x.shape[1]] = np.sqrt(np.maximum(max_norm**2 - sq, 0.0))
-    return out
-
-
-def pad_queries(xq: np.ndarray, width: int) -> np.ndarray:
-    out = np.zeros((xq.shape[0], width), dtype=np.float32)
-    out[:, : xq.shape[1]] = xq
-    return out
 
 
 def augmented_width(dim: int, spec: IndexSpec) -> int:

@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from indexer import artifact
-from indexer.reader import LoadedVersion
+from indexer.arrays import NpyRows
+from indexer.reader import LoadedVersion, load_rows
+from indexer.recordstore import RecordStore
+from indexer.specs import IndexSpec
 from indexer.views import CHUNK, factor_chunks
 from models.heads import build_head
 
@@ -47,33 +50,38 @@ def verify_files(vdir: Path, full: bool = True) -> list[str]:
     return problems
 
 
-def verify_views(version: LoadedVersion) -> list[str]:
-    """Problems with an opened version's views: each index must hold exactly the records that
-    have its target modalities (the right rows; for flat views, the right vectors)."""
-    problems = []
-    cfg = version.manifest["model"]["config"]
+def verify_contents(vdir: Path) -> list[str]:
+    """The O(N) checks, streamed (memory: one chunk, whatever the version's size): the record
+    store's consistency, each view's rows, and each flat view's vectors recomputed."""
+    manifest = artifact.read_manifest(vdir)
+    names: list[str] = manifest["modalities"]
+    store = RecordStore(vdir, names)
+    problems = store.problems()
+    store.close()
+    stored = load_rows(vdir, names, mmap=False)
+    cfg = manifest["model"]["config"]
     # Record factors are parameter-free for every head, so no weights are needed to recompute.
-    head = build_head(cfg["head"], version.names, cfg["latent_dim"])
-    for name, view in version.views.items():
-        expected = version.stored.rows_with(view.target)
-        if not np.array_equal(np.asarray(view.rows), expected):
-            problems.append(f"view {name}: rows differ from the records that have {view.target}")
+    head = build_head(cfg["head"], names, cfg["latent_dim"])
+    for name, entry in manifest["views"].items():
+        target = tuple(entry["target"])
+        expected = stored.rows_with(target)
+        rows = np.load(vdir / artifact.VIEWS / f"{name}.rows.npy")
+        if not np.array_equal(rows, expected):
+            problems.append(f"view {name}: rows differ from the records that have {target}")
             continue
-        if view.spec.exact:
-            for i, xb in enumerate(
-                factor_chunks(head, version.stored, expected, view.target, "record")
-            ):
-                start = i * CHUNK
-                got = view.index.reconstruct_n(start, xb.shape[0])
-                if not np.allclose(got, xb, rtol=1e-5, atol=1e-6):
-                    problems.append(f"view {name}: vectors at positions {start}.. differ")
-                    break
+        if not IndexSpec.from_dict(entry["spec"]).exact:
+            continue
+        vectors = NpyRows(vdir / artifact.VIEWS / f"{name}.npy")
+        if vectors.shape[0] != len(rows):
+            problems.append(f"view {name}: {vectors.shape[0]} vectors for {len(rows)} rows")
+            continue
+        for i, xb in enumerate(factor_chunks(head, stored, expected, target, "record")):
+            start = i * CHUNK
+            got = vectors[np.arange(start, start + xb.shape[0])]
+            if not np.allclose(got, xb, rtol=1e-5, atol=1e-6):
+                problems.append(f"view {name}: vectors at positions {start}.. differ")
+                break
     return problems
-
-
-def verify_opened(version: LoadedVersion) -> list[str]:
-    """The O(N) checks of an opened version: its record store, then its views."""
-    return [*version.records.problems(), *verify_views(version)]
 
 
 def verify(vdir: Path) -> list[str]:
@@ -82,7 +90,7 @@ def verify(vdir: Path) -> list[str]:
     if problems:
         return problems
     try:
-        version = LoadedVersion(vdir)
-    except Exception as exc:  # any failure to open is a verification failure, reported
+        LoadedVersion(vdir).records.close()  # opens: every shape checked against the manifest
+        return verify_contents(vdir)
+    except Exception as exc:  # any failure to open or read is a verification failure, reported
         return [f"cannot open: {exc}"]
-    return verify_opened(version)

@@ -17,8 +17,10 @@ import faiss
 import numpy as np
 import torch
 
-from indexer.arrays import FlatIPAppender
-from indexer.specs import IndexSpec, augment, augmented_width, new_index, pad_queries
+from indexer.arrays import NpyAppender
+from indexer.mips import augment, pad_queries
+from indexer.mips import max_norm as norm_of
+from indexer.specs import IndexSpec, augmented_width, new_index
 from models.heads import Head, split_modalities, view_name
 
 log = logging.getLogger(__name__)
@@ -108,7 +110,8 @@ def sample_queries(
 def build_view(
     vdir: Path, head: Head, stored: StoredRows, query: Sequence[str], spec: IndexSpec
 ) -> dict[str, Any]:
-    """Write views/<name>.faiss and views/<name>.rows.npy; return the manifest entry."""
+    """Write the view's vectors (views/<name>.npy, flat) or index (views/<name>.faiss) and
+    views/<name>.rows.npy; return the manifest entry."""
     q, t = split_modalities(head.names, query)
     name = view_name(q)
     rows = stored.rows_with(t)
@@ -123,15 +126,16 @@ def build_view(
     }
     path = vdir / "views" / f"{name}.faiss"
     if spec.exact or len(rows) == 0:
-        with FlatIPAppender(path, dim) as w:
+        # An aligned float32 .npy, memory-mapped by the server: FAISS's exact kernels take it
+        # as it is (faiss.knn), and so do torch and numpy, which a .faiss file's 45-byte
+        # header would misalign.
+        with NpyAppender(vdir / "views" / f"{name}.npy", dim) as w:
             for xb in factor_chunks(head, stored, rows, t, "record"):
                 w.append(xb)
         entry["spec"] = IndexSpec("flat").to_dict()
         entry["recall_at_10"] = 1.0
         return entry
-    max_norm = 0.0
-    for xb in factor_chunks(head, stored, rows, t, "record"):
-        max_norm = max(max_norm, float(np.sqrt(np.einsum("ij,ij->i", xb, xb).max())))
+    max_norm = max(norm_of(xb) for xb in factor_chunks(head, stored, rows, t, "record"))
     width = augmented_width(dim, spec)
     index = new_index(spec, width, len(rows))
     if not index.is_trained:

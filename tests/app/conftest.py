@@ -70,7 +70,12 @@ def wait_until(check, timeout: float = 20.0) -> None:
 
 
 def settings_for(root: Path, **kw) -> Settings:
-    base = {"root": root, "poll_interval_s": 0.1, "cache_prefix": f"hclip-test:{uuid.uuid4().hex}"}
+    base = {
+        "root": root,
+        "poll_interval_s": 0.1,
+        "cache_prefix": f"hclip-test:{uuid.uuid4().hex}",
+        "calibrate_kernels": False,  # half a second per server; test_search.py turns it on
+    }
     return Settings(**(base | kw))
 
 

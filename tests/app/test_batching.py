@@ -52,19 +52,18 @@ def test_a_failing_call_fails_only_the_item_that_broke_it() -> None:
     assert calls == [[3, 4], [3], [4], [5]]  # the batch failed, then each item alone
 
 
-def test_search_batches_equal_one_by_one_searches() -> None:
-    import faiss
-
+@pytest.mark.parametrize("kernel", ["faiss", "torch", "numpy"])
+def test_search_batches_equal_one_by_one_searches(kernel: str) -> None:
     rng = np.random.default_rng(0)
     xb = rng.standard_normal((500, 6)).astype(np.float32)
-    index = faiss.IndexFlatIP(6)
-    index.add(xb)
-    view = View("a", ("a",), ("b",), IndexSpec("flat"), index, np.arange(500) * 2)
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(500) * 2, 6, vectors=xb)
     sizes: list[int] = []
     xq = rng.standard_normal((12, 6)).astype(np.float32)
 
     async def main() -> list:
-        b = search_batcher(view, ThreadPoolExecutor(1), 64, 0.002, sizes.append)
+        b = search_batcher(
+            view, ThreadPoolExecutor(1), 64, 0.002, sizes.append, kernel_for=lambda n: kernel
+        )
         return await asyncio.gather(*(b.submit((xq[i], 3 + i % 4)) for i in range(12)))
 
     got = asyncio.run(main())
@@ -77,11 +76,9 @@ def test_search_batches_equal_one_by_one_searches() -> None:
 
 
 @pytest.mark.parametrize("k", [1, 500, 600])
-def test_k_beyond_the_view_returns_what_there_is(k: int) -> None:
-    import faiss
-
-    index = faiss.IndexFlatIP(2)
-    index.add(np.eye(2, dtype=np.float32))
-    view = View("a", ("a",), ("b",), IndexSpec("flat"), index, np.array([7, 9]))
-    _, rows = view.search(np.array([[1.0, 0.5]], dtype=np.float32), k)
+@pytest.mark.parametrize("kernel", ["faiss", "torch", "numpy"])
+def test_k_beyond_the_view_returns_what_there_is(k: int, kernel: str) -> None:
+    xb = np.eye(2, dtype=np.float32)
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.array([7, 9]), 2, vectors=xb)
+    _, rows = view.search(np.array([[1.0, 0.5]], dtype=np.float32), k, kernel)
     assert rows.tolist() == [[7, 9][: min(k, 2)]]

@@ -152,7 +152,7 @@ def test_a_version_failing_verification_is_refused(tmp_path: Path, vector_index)
     v2 = build_index(other, model_dir, records_v("v2", n=40), tmp_path)
     with running(settings_for(root, admin_token="t")) as client:
         shutil.copytree(artifact.version_dir(other, v2), artifact.version_dir(root, v2))
-        broken = artifact.version_dir(root, v2) / "views" / "a.faiss"
+        broken = artifact.version_dir(root, v2) / "views" / "a.npy"
         broken.write_bytes(broken.read_bytes()[:-4] + b"\0\0\0\0")
         artifact.write_current(root, v2)
         r = client.post("/v1/admin/reload", headers={"Authorization": "Bearer t"})

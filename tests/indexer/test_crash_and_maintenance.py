@@ -80,17 +80,17 @@ def test_verify_detects_tampering(tmp_path: Path, capsys) -> None:
     root = tmp_path / "root"
     assert index_build(model, tmp_path / "r.jsonl", root) == 0
     vdir = artifact.current_version_dir(root)
-    faiss_file = vdir / "views" / "a.faiss"
+    faiss_file = vdir / "views" / "a.npy"
     data = bytearray(faiss_file.read_bytes())
     data[-3] ^= 0xFF
     faiss_file.write_bytes(bytes(data))
     assert run_cli("index", "verify", "--root", root) == 1
-    assert "views/a.faiss: checksum mismatch" in capsys.readouterr().out
+    assert "views/a.npy: checksum mismatch" in capsys.readouterr().out
     (vdir / "stray.txt").write_text("x")
     faiss_file.unlink()
     assert run_cli("index", "verify", "--root", root) == 1
     out = capsys.readouterr().out
-    assert "views/a.faiss: missing" in out and "stray.txt: not listed" in out
+    assert "views/a.npy: missing" in out and "stray.txt: not listed" in out
 
 
 def test_list_and_gc_never_remove_the_published_version(tmp_path: Path, capsys) -> None:

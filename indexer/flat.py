@@ -1,0 +1,168 @@
+"""Exact maximum-inner-product search over a memory-mapped (N, D) float32 matrix, with several
+kernels and a router that sends each batch to the one measured fastest for its size.
+
+Why several: the fastest exact kernel depends on the batch size and on which BLAS the machine
+runs. FAISS's scan (one pass over the data per query, a heap per query) wins for single
+queries; for batches, a matrix product wins, but the OpenBLAS inside the faiss-cpu wheel may run
+old kernels on new CPUs (measured: 'Barcelona' on an AVX-512 EPYC, so FAISS's batched path was
+no faster than one query at a time) while torch's MKL and numpy's OpenBLAS run AVX-512. So the
+router measures every kernel at start-up, on this machine, and keeps the table.
+
+All kernels return the same thing: (scores, positions), (nq, k), best first, k <= N. Under ties
+they may pick different positions of equal score; every returned score is the exact inner
+product of its position (within float rounding).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import faiss
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+BLOCK_ROWS = 16384  # scores of a block stay in cache: (B, 16384) float32 is 1 MB at B = 16
+Kernel = Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
+
+
+def faiss_knn(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS's exact kernel: a scan with a top-k heap per query when nq * d is below
+    faiss.cvar.distance_compute_blas_threshold, sgemm with the wheel's own BLAS above it.
+    That threshold is process-wide: the Router sets it once, before the first search."""
+    scores, pos = faiss.knn(xq, xb, k, metric=faiss.METRIC_INNER_PRODUCT)
+    return scores, pos
+
+
+def torch_blocked(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """torch (MKL) matrix products on blocks of rows, top-k per block, merged."""
+    q = torch.from_numpy(np.ascontiguousarray(xq, dtype=np.float32))  # (B, D)
+    best_s: torch.Tensor | None = None
+    best_i: torch.Tensor | None = None
+    for start in range(0, xb.shape[0], BLOCK_ROWS):
+        blk = torch.from_numpy(xb[start : start + BLOCK_ROWS])  # a view of the map, no copy
+        s = q @ blk.T  # (B, rows)
+        v, i = torch.topk(s, min(k, s.shape[1]), dim=1)
+        i += start
+        if best_s is None or best_i is None:
+            best_s, best_i = v, i
+            continue
+        cat_s, cat_i = torch.cat([best_s, v], 1), torch.cat([best_i, i], 1)
+        best_s, idx = torch.topk(cat_s, k, dim=1)
+        best_i = torch.gather(cat_i, 1, idx)
+    assert best_s is not None and best_i is not None
+    return best_s.numpy(), best_i.numpy()
+
+
+def numpy_blocked(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """numpy (its own OpenBLAS) matrix products on blocks, argpartition per block, merged."""
+    xq = np.ascontiguousarray(xq, dtype=np.float32)
+    rows = np.arange(len(xq))[:, None]
+    best_s = np.full((len(xq), 0), -np.inf, dtype=np.float32)
+    best_i = np.zeros((len(xq), 0), dtype=np.int64)
+    for start in range(0, xb.shape[0], BLOCK_ROWS):
+        s = xq @ xb[start : start + BLOCK_ROWS].T  # (B, rows)
+        kk = min(k, s.shape[1])
+        part = np.argpartition(-s, kk - 1, axis=1)[:, :kk] if kk < s.shape[1] else None
+        if part is None:
+            part = np.broadcast_to(np.arange(s.shape[1]), s.shape)
+        best_s = np.concatenate([best_s, s[rows, part]], 1)
+        best_i = np.concatenate([best_i, part + start], 1)
+        if best_s.shape[1] > k:
+            keep = np.argpartition(-best_s, k - 1, axis=1)[:, :k]
+            best_s, best_i = best_s[rows, keep], best_i[rows, keep]
+    order = np.argsort(-best_s, axis=1, kind="stable")
+    return best_s[rows, order], best_i[rows, order]
+
+
+KERNELS: dict[str, Kernel] = {"faiss": faiss_knn, "torch": torch_blocked, "numpy": numpy_blocked}
+NEVER_BLAS = 2**31 - 1  # the threshold is a C int
+
+
+def search(kernel: str, xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, positions), (nq, min(k, N)); empty when N or k is 0."""
+    k = min(k, xb.shape[0])
+    if k == 0 or len(xq) == 0:
+        return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
+    return KERNELS[kernel](xq, xb, k)
+
+
+@dataclass
+class Router:
+    """Batch size -> kernel, measured on this machine.
+
+    FAISS counts as two candidates, its scan and its BLAS path; since FAISS picks between them
+    by a process-wide threshold on nq * d, calibration measures both (changing the threshold
+    while nothing else searches) and then sets it once: to the batch size from which the BLAS
+    path wins, or never. Until calibrated, a rule that held on the machines seen so far:
+    FAISS's scan for one query, torch for batches (and the threshold keeps FAISS scanning).
+    """
+
+    table: dict[int, str] = field(default_factory=dict)
+    timings: dict[str, dict[int, float]] = field(default_factory=dict)  # candidate -> size -> q/s
+    blas_from: int | None = None  # FAISS takes its BLAS path from this batch size on
+
+    @staticmethod
+    def keep_faiss_scanning() -> None:
+        """Uncalibrated: FAISS scans whatever the batch (torch takes the batches)."""
+        faiss.cvar.distance_compute_blas_threshold = NEVER_BLAS
+
+    def kernel_for(self, batch: int) -> str:
+        if not self.table:
+            return "faiss" if batch == 1 else "torch"
+        sizes = [s for s in self.table if s <= batch]
+        return self.table[max(sizes) if sizes else min(self.table)]
+
+    def calibrate(
+        self, dim: int, rows: int = 32768, budget_s: float = 0.01, set_threshold: bool = True
+    ) -> None:
+        """Time every candidate at every batch size on a synthetic (rows, dim) matrix. With
+        set_threshold (the first calibration of a process, before any search runs), FAISS's
+        two paths are measured apart and the threshold is then set once; otherwise FAISS is
+        measured as the threshold already set makes it run."""
+        rng = np.random.default_rng(0)
+        xb = rng.standard_normal((rows, dim)).astype(np.float32)
+        candidates: dict[str, tuple[Kernel, int | None]] = {
+            "torch": (torch_blocked, None),
+            "numpy": (numpy_blocked, None),
+        }
+        if set_threshold:
+            candidates |= {"faiss_scan": (faiss_knn, NEVER_BLAS), "faiss_blas": (faiss_knn, 0)}
+        else:
+            candidates["faiss"] = (faiss_knn, None)
+        timings: dict[str, dict[int, float]] = {name: {} for name in candidates}
+        for b in CALIBRATION_SIZES:
+            xq = rng.standard_normal((b, dim)).astype(np.float32)
+            for name, (fn, threshold) in candidates.items():
+                if threshold is not None:
+                    faiss.cvar.distance_compute_blas_threshold = threshold
+                timings[name][b] = _rate(fn, xq, xb, budget_s)
+        best = {b: max(timings, key=lambda n: timings[n][b]) for b in CALIBRATION_SIZES}
+        if set_threshold:
+            blas_sizes = [b for b in CALIBRATION_SIZES if best[b] == "faiss_blas"]
+            self.blas_from = min(blas_sizes) if blas_sizes else None
+            faiss.cvar.distance_compute_blas_threshold = (
+                self.blas_from * dim if self.blas_from is not None else NEVER_BLAS
+            )
+        self.timings = timings
+        self.table = {b: "faiss" if n.startswith("faiss") else n for b, n in best.items()}
+        log.info("exact search kernels by batch size (d=%d): %s", dim, best)
+
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _rate(fn: Kernel, xq: np.ndarray, xb: np.ndarray, budget_s: float) -> float:
+    """Queries per second of fn on (xq, xb), k = 10, after one warm call."""
+    fn(xq, xb, 10)
+    done, t0 = 0, time.perf_counter()
+    while True:
+        fn(xq, xb, 10)
+        done += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed > budget_s and done >= 2:
+            return len(xq) * done / elapsed
