@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections.abc import AsyncIterator
 
 import faiss
@@ -57,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await poller
             await cache.close()
             pools.shutdown()
+            metrics.worker_exited()
 
     app = FastAPI(
         title="H-CLIP retrieval",
@@ -68,7 +71,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
-    app.add_middleware(RequestContextMiddleware)  # outermost: every response gets its id
+    instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
+    # outermost: every response gets its request id and the instance that answered it
+    app.add_middleware(RequestContextMiddleware, instance=instance)
     for module in (ops, search, records):
         app.include_router(module.router)
     page.install(app, settings.media_dir)

@@ -1,10 +1,24 @@
-"""Prometheus metrics, in a registry per app so that tests can run several apps side by side."""
+"""Prometheus metrics, in a registry per app so that tests can run several apps side by side.
+
+Under `hclip serve --workers N` every worker is a process of its own: prometheus-client's
+multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set by the command before any worker starts) keeps
+each worker's values in a shared directory, and /metrics, whichever worker answers it, renders
+the whole: counters and histograms summed over workers, gauges per live worker (a `pid` label).
+"""
 
 from __future__ import annotations
 
+import os
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess() -> bool:
+    return bool(os.environ.get(MULTIPROC_ENV))
 
 
 class Metrics:
@@ -22,6 +36,8 @@ class Metrics:
             registry=r,
         )
         self.cache = Counter("hclip_cache_total", "cache lookups", ["kind", "outcome"], registry=r)
+        self.result_hits = self.cache.labels(kind="result", outcome="hit")
+        self.result_misses = self.cache.labels(kind="result", outcome="miss")
         self.cache_errors = Counter(
             "hclip_cache_errors_total", "cache backend failures (Redis down or slow)", registry=r
         )
@@ -43,17 +59,20 @@ class Metrics:
             "the loaded index version (value 1)",
             ["version"],
             registry=r,
+            multiprocess_mode="liveall",
         )
         self.reloads = Counter("hclip_reloads_total", "version loads", ["outcome"], registry=r)
         self.load_seconds = Gauge(
             "hclip_version_load_seconds",
             "how long opening the last loaded version took",
             registry=r,
+            multiprocess_mode="liveall",
         )
         self.rejected_versions = Gauge(
             "hclip_rejected_versions",
             "versions CURRENT named that could not be loaded (retried with backoff)",
             registry=r,
+            multiprocess_mode="livemax",
         )
         self.overloaded = Counter(
             "hclip_overloaded_total",
@@ -67,4 +86,16 @@ class Metrics:
         self.version.labels(version=version).set(1)
 
     def render(self) -> bytes:
+        if multiprocess():
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)
+
+    @staticmethod
+    def worker_exited() -> None:
+        """Drop this worker's live gauges from the shared directory (a clean exit)."""
+        if multiprocess():
+            from prometheus_client import multiprocess as mp
+
+            mp.mark_process_dead(os.getpid())

@@ -21,12 +21,15 @@ _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
 
 class RequestContextMiddleware:
     """Gives every request an id (the client's X-Request-ID when it is a sane token) that the
-    response and any log line about it carry; and turns an exception that escaped every
-    handler into a 500 envelope with `Connection: close`, so that the client's connection is
-    closed properly instead of dropped mid-keep-alive."""
+    response and any log line about it carry, and says which instance answered
+    (X-Hclip-Instance: behind a load balancer or with several workers, that is the one whose
+    logs to read); and turns an exception that escaped every handler into a 500 envelope with
+    `Connection: close`, so that the client's connection is closed properly instead of dropped
+    mid-keep-alive."""
 
-    def __init__(self, app: ASGIApp):
+    def __init__(self, app: ASGIApp, instance: str = ""):
         self.app = app
+        self.instance = (b"x-hclip-instance", instance.encode("latin-1", "replace"))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -48,7 +51,7 @@ class RequestContextMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", []), header]
+                message["headers"] = [*message.get("headers", []), header, self.instance]
             await send(message)
 
         try:
@@ -69,6 +72,7 @@ class RequestContextMiddleware:
                         (b"content-length", str(len(body)).encode()),
                         (b"connection", b"close"),
                         header,
+                        self.instance,
                     ],
                 }
             )

@@ -1,38 +1,71 @@
-"""`hclip serve --root ROOT [--host H] [--port P]`: the service under uvicorn."""
+"""`hclip serve --root ROOT [--host H] [--port P] [--workers N]`: the service under uvicorn.
+
+With --workers N, uvicorn runs N processes on one socket; each opens the published version
+itself (memory-mapped: the pages are shared through the page cache, not copied), with its own
+batchers and its own poller, so each swaps versions by itself. Settings reach the workers
+through the environment, as HCLIP_* variables.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
+from app.metrics import MULTIPROC_ENV
 from app.settings import Settings
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", type=Path, help="index root (default: $HCLIP_ROOT)")
     p.add_argument("--host", help="default: $HCLIP_HOST or 127.0.0.1")
     p.add_argument("--port", type=int, help="default: $HCLIP_PORT or 8000")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes (default: $HCLIP_WORKERS or 1); about one per core",
+    )
 
 
 def serve(settings: Settings) -> None:
     import uvicorn
 
-    from app.main import create_app
+    if settings.workers == 1:
+        from app.main import create_app
 
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_level="info",
-        access_log=False,
-    )
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            access_log=False,
+        )
+        return
+    # Workers are fresh interpreters that read their settings from the environment.
+    os.environ.update(settings.as_environment())
+    metrics_dir = Path(tempfile.mkdtemp(prefix="hclip-metrics-"))
+    os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before any worker imports prometheus_client
+    log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
+    try:
+        uvicorn.run(
+            "app.main:create_app",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_level="info",
+            access_log=False,
+        )
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {
-        k: v
-        for k, v in (("root", args.root), ("host", args.host), ("port", args.port))
-        if v is not None
-    }
-    serve(Settings(**overrides))
+    given = {"root": args.root, "host": args.host, "port": args.port, "workers": args.workers}
+    serve(Settings(**{k: v for k, v in given.items() if v is not None}))
     return 0

@@ -20,6 +20,12 @@ class Settings(BaseSettings):
     admin_token: str | None = Field(None, description="bearer token for /v1/admin/*; unset: off")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, le=256, description="`hclip serve` processes")
+    instance: str = Field(
+        "",
+        description="names this process in the X-Hclip-Instance response header "
+        "(default: host name and process id)",
+    )
 
     max_k: int = Field(100, ge=1, le=10_000)
     default_k: int = Field(10, ge=1)
@@ -63,6 +69,16 @@ class Settings(BaseSettings):
         description="time the exact search kernels at start-up (about half a second on the "
         "FAISS thread) and route each batch to the fastest for its size",
     )
+
+    def as_environment(self) -> dict[str, str]:
+        """HCLIP_* variables that give a fresh process these settings."""
+        out = {}
+        for name, value in self.model_dump(mode="json").items():
+            if value is not None:
+                out[f"HCLIP_{name.upper()}"] = (
+                    str(value).lower() if isinstance(value, bool) else (str(value))
+                )
+        return out
 
     def input_limits(self) -> InputLimits:
         return InputLimits(

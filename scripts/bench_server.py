@@ -1,20 +1,28 @@
-"""Search service benchmark on a 100k-record flat view. Prints figures; it is not a test.
+"""Search service benchmark on a flat view (100k records, d = 128 by default). Prints figures;
+it is not a test (this machine is shared and noisy: compare figures taken in one run).
 
-    python scripts/bench_server.py [--records 100000] [--seconds 8]
+    python scripts/bench_server.py [--records 100000] [--seconds 8] [--workers 1 2]
+    python scripts/bench_server.py --repo /path/to/another/checkout --workers 1
 
-Reports, side by side in one run: raw FAISS single-query and batched throughput on the view's
-index (one OpenMP thread, as the server runs it), served queries per second and p50/p99 latency
-with 1 and with 32 concurrent clients (every query distinct, so nothing comes from the cache),
-and the latency of a cache hit. The load comes from wrk (Debian's `wrk`, a C program, with a
-Lua script drawing a fresh random query per request) when it is installed, else from an httpx
-client, which costs more CPU than the server's own work per request. Either way the load
-generator shares the two cores with the server, so served figures are a floor.
+Prints, side by side in one run:
+- the CPU, and the BLAS libraries loaded with the architecture each runs (threadpoolctl);
+- raw exact search on the view's memory-mapped vectors, one thread: FAISS one query at a time
+  (the reference for the targets), and every kernel at batch sizes 1-256 (FAISS's scan, FAISS's
+  BLAS path, torch, numpy): the table the server's router measures for itself at start-up;
+  the same table again in a fresh process with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset,
+  as on users' machines (these machines set them);
+- the server (`hclip serve --workers N` for each N asked): queries per second and p50/p99 with
+  1 and with 32 connections, every query distinct (nothing from the cache), and the latency
+  of a cache hit. The load comes from wrk (Debian's, a C program, a Lua script drawing a fresh
+  random query per request) on the same two cores, so served figures are a floor.
+
+`--repo` serves another checkout (any version of this project: only its command line and HTTP
+API are used) for a before/after comparison; the raw figures always come from this checkout.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -28,70 +36,127 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_indexer import DIMS, make_model, write_records
-
-VIEW_QUERY = "image"  # retrieve audio * text products with an image-side query
-
-
-def faiss_figures(root: Path, seconds: float) -> dict[str, float]:
-    import faiss
-
-    from indexer import artifact
-    from indexer.reader import LoadedVersion
-
-    faiss.omp_set_num_threads(1)
-    version = LoadedVersion(artifact.current_version_dir(root))
-    view = version.views[VIEW_QUERY]
-    faiss.cvar.distance_compute_blas_threshold = 3 * view.index.d  # as the server sets it
-    rng = np.random.default_rng(0)
-    out: dict[str, float] = {}
-    for nq in (1, 32, 64):
-        xq = rng.standard_normal((nq, view.index.d)).astype(np.float32)
-        done, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds / 3:
-            view.search(xq, 10)
-            done += nq
-        out[f"faiss_qps_batch{nq}"] = done / (time.perf_counter() - t0)
-    return out
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+QUERY = "image"
+DIMS = {"image": 64, "audio": 64, "text": 64}  # `vector` features standing in for backbones
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-def query_pool(n: int, seed: int = 1) -> list[dict]:
+def env_for(repo: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(repo), **extra}
+    env.pop("HCLIP_REDIS_URL", None)
+    return env
+
+
+def write_records(path: Path, n: int, seed: int = 0) -> None:
+    import orjson
+
     rng = np.random.default_rng(seed)
-    vecs = rng.standard_normal((n, DIMS[VIEW_QUERY])).astype(np.float32).round(4)
-    return [{"query": {VIEW_QUERY: v.tolist()}, "k": 10} for v in vecs]
+    with open(path, "wb") as f:
+        for start in range(0, n, 10_000):
+            m = min(10_000, n - start)
+            cols = {k: rng.standard_normal((m, d)).astype(np.float32) for k, d in DIMS.items()}
+            lines = []
+            for i in range(m):
+                rec: dict[str, Any] = {"id": f"r{start + i}", "payload": {"i": start + i}}
+                rec.update({k: v[i] for k, v in cols.items()})
+                lines.append(orjson.dumps(rec, option=orjson.OPT_SERIALIZE_NUMPY))
+            f.write(b"\n".join(lines) + b"\n")
 
 
-async def load(url: str, bodies: list[dict], concurrency: int, seconds: float) -> dict[str, float]:
-    import httpx
+def make_model(path: Path, latent: int, repo: Path) -> None:
+    code = (
+        "import sys, torch; from models.checkpoint import save_model; "
+        "from models.config import ModelConfig; from models.model import MultimodalModel; "
+        f"cfg = ModelConfig.from_dict({{'modalities': {{k: {{'kind': 'vector', 'dim': d}} "
+        f"for k, d in {DIMS!r}.items()}}, 'head': 'hclip', 'latent_dim': {latent}}}); "
+        "torch.manual_seed(0); save_model(MultimodalModel(cfg), sys.argv[1], overwrite=True)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(path)], cwd=repo, env=env_for(repo), check=True)
 
-    latencies: list[float] = []
-    statuses: dict[int, int] = {}
-    it = iter(bodies)
-    deadline = time.perf_counter() + seconds
 
-    async def worker(client: httpx.AsyncClient) -> None:
-        while time.perf_counter() < deadline:
-            body = next(it)
-            t = time.perf_counter()
-            r = await client.post("/v1/search", json=body)
-            latencies.append(time.perf_counter() - t)
-            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+def build(repo: Path, work: Path) -> Path:
+    root = work / f"root-{repo.name}"
+    shutil.rmtree(root, ignore_errors=True)
+    cmd = [sys.executable, "-m", "app.cli", "index", "build", "--model", str(work / "model"),
+           "--records", str(work / "records.jsonl"), "--root", str(root), "--quiet",
+           "--views", QUERY]  # fmt: skip
+    subprocess.run(cmd, cwd=repo, env=env_for(repo), check=True, stdout=subprocess.DEVNULL)
+    return root
 
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-    lat = np.array(latencies) * 1000
-    return {
-        "qps": len(lat) / wall,
-        "p50_ms": float(np.percentile(lat, 50)),
-        "p99_ms": float(np.percentile(lat, 99)),
-        "requests": len(lat),
-        "non_200": sum(v for k, v in statuses.items() if k != 200),
+
+# --- raw kernels, in this process (and again in a child with the BLAS variables unset) -------
+
+
+def view_vectors(root: Path) -> np.ndarray:
+    sys.path.insert(0, str(REPO))
+    from indexer import artifact
+
+    vdir = artifact.current_version_dir(root)
+    return np.load(vdir / "views" / f"{QUERY}.npy", mmap_mode="c")
+
+
+def kernel_table(root: Path, seconds_each: float) -> dict[str, Any]:
+    """Queries per second of every kernel at every batch size, one thread, on the view."""
+    import faiss
+    import threadpoolctl
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from indexer import flat
+
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    threadpoolctl.threadpool_limits(1)
+    xb = view_vectors(root)
+    np.asarray(xb).sum()  # fault the pages in: every kernel reads the same resident data
+    rng = np.random.default_rng(0)
+    kernels = {
+        "faiss_scan": (flat.faiss_knn, flat.NEVER_BLAS),
+        "faiss_blas": (flat.faiss_knn, 0),
+        "torch": (flat.torch_blocked, None),
+        "numpy": (flat.numpy_blocked, None),
     }
+    table: dict[str, dict[int, float]] = {k: {} for k in kernels}
+    for b in BATCHES:
+        xq = rng.standard_normal((b, xb.shape[1])).astype(np.float32)
+        for name, (fn, threshold) in kernels.items():
+            if threshold is not None:
+                faiss.cvar.distance_compute_blas_threshold = threshold
+            fn(xq, xb, 10)
+            done, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds_each or done < 3:
+                fn(xq, xb, 10)
+                done += 1
+            table[name][b] = b * done / (time.perf_counter() - t0)
+    libs = [
+        f"{i.get('prefix')} {i.get('version') or ''} {i.get('architecture') or ''}".strip()
+        for i in threadpoolctl.threadpool_info()
+        if i.get("user_api") == "blas"
+    ]
+    return {"qps": table, "blas": libs, "n": int(xb.shape[0]), "d": int(xb.shape[1])}
 
+
+def kernel_table_unset_env(root: Path, seconds_each: float) -> dict[str, Any]:
+    env = env_for(REPO)
+    for var in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE"):
+        env.pop(var, None)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[3]); import bench_server as b; "
+        "from pathlib import Path; "
+        "print(json.dumps(b.kernel_table(Path(sys.argv[1]), float(sys.argv[2]))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(root), str(seconds_each), str(HERE)],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    table = json.loads(out.strip().splitlines()[-1])
+    table["qps"] = {k: {int(b): v for b, v in t.items()} for k, t in table["qps"].items()}
+    return dict(table)
+
+
+# --- the server -------------------------------------------------------------------------------
 
 WRK_SCRIPT = """
 wrk.method = "POST"
@@ -111,25 +176,17 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
-def wrk_load(url: str, concurrency: int, seconds: float, script: str) -> dict[str, Any]:
+def wrk(url: str, connections: int, seconds: float, script: str) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(script)
-    out = subprocess.run(
-        [
-            "wrk",
-            "-t1",
-            f"-c{concurrency}",
-            f"-d{max(1, round(seconds))}s",
-            "--latency",
-            "-s",
-            f.name,
-            url,
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    os.unlink(f.name)
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency",
+             "-s", f.name, url],
+            capture_output=True, text=True, check=True,
+        ).stdout  # fmt: skip
+    finally:
+        os.unlink(f.name)
     pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return {
@@ -137,55 +194,28 @@ def wrk_load(url: str, concurrency: int, seconds: float, script: str) -> dict[st
         "p50_ms": _ms(pct["50"]),
         "p99_ms": _ms(pct["99"]),
         "requests": int(re.search(r"(\d+) requests in", out).group(1)),  # type: ignore[union-attr]
-        "non_200": int(bad.group(1)) if bad else 0,
-        "load_generator": "wrk",
+        "non_2xx": int(bad.group(1)) if bad else 0,
     }
 
 
-def served(url: str, pool: list[dict], concurrency: int, seconds: float, seed: int) -> dict:
-    if shutil.which("wrk"):
-        return wrk_load(
-            url, concurrency, seconds, WRK_SCRIPT % (seed, DIMS[VIEW_QUERY], VIEW_QUERY)
-        )
-    return {**asyncio.run(load(url, pool, concurrency, seconds)), "load_generator": "httpx"}
-
-
-def cache_hit_latency(url: str, seconds: float) -> dict[str, Any]:
-    """One identical request over and over: after the first, every answer is a cache hit."""
-    if not shutil.which("wrk"):
-        return {**asyncio.run(cache_hits(url, 500)), "load_generator": "httpx"}
+def cache_hit(url: str, seconds: float) -> dict[str, Any]:
     import httpx
 
-    body = query_pool(1, seed=99)[0]
-    assert httpx.post(url + "/v1/search", json=body, timeout=10).json()["cached"] is False
+    body = {"query": {QUERY: [0.25] * DIMS[QUERY]}, "k": 10}
+    assert httpx.post(url + "/v1/search", json=body, timeout=30).json()["cached"] is False
+    assert httpx.post(url + "/v1/search", json=body, timeout=30).json()["cached"] is True
     script = (
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
         f"wrk.body = '{json.dumps(body)}'\n"
         'request = function() return wrk.format(nil, "/v1/search") end\n'
     )
-    return wrk_load(url, 1, seconds, script)
-
-
-async def cache_hits(url: str, n: int) -> dict[str, float]:
-    import httpx
-
-    body = query_pool(1, seed=99)[0]
-    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-        first = (await client.post("/v1/search", json=body)).json()
-        assert first["cached"] is False
-        lat = []
-        for _ in range(n):
-            t = time.perf_counter()
-            r = (await client.post("/v1/search", json=body)).json()
-            lat.append((time.perf_counter() - t) * 1000)
-            assert r["cached"] is True
-    return {"p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99))}
+    return wrk(url, 1, seconds, script)
 
 
 def wait_ready(url: str, proc: subprocess.Popen) -> None:
     import httpx
 
-    for _ in range(600):
+    for _ in range(1200):
         if proc.poll() is not None:
             raise SystemExit("the server exited during start-up")
         try:
@@ -193,86 +223,102 @@ def wait_ready(url: str, proc: subprocess.Popen) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.1)
+        time.sleep(0.05)
     raise SystemExit("the server never became ready")
 
 
+def served(repo: Path, root: Path, workers: int, seconds: float, port: int) -> dict[str, Any]:
+    env = env_for(repo, HCLIP_ROOT=str(root), HCLIP_PORT=str(port),
+                  HCLIP_CACHE_MAX_ITEMS="200000")  # fmt: skip
+    cmd = [sys.executable, "-m", "app.cli", "serve"]
+    if workers > 1:
+        cmd += ["--workers", str(workers)]
+    server = subprocess.Popen(
+        cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, server)
+        time.sleep(3.0)  # the kernel router measures itself on the FAISS thread after ready
+        dim = DIMS[QUERY]
+        wrk(url, 4, 1.0, WRK_SCRIPT % (99, dim, QUERY))  # warm-up, queries not reused
+        return {
+            "1_connection": wrk(url, 1, seconds, WRK_SCRIPT % (1, dim, QUERY)),
+            "32_connections": wrk(url, 32, seconds, WRK_SCRIPT % (2, dim, QUERY)),
+            "cache_hit": cache_hit(url, seconds / 2),
+        }
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def print_table(title: str, t: dict[str, Any]) -> None:
+    print(f"{title} ({t['n']} x {t['d']}; BLAS: {'; '.join(t['blas'])})")
+    print(f"  {'batch':>5} " + " ".join(f"{k:>11}" for k in t["qps"]) + "   fastest")
+    for b in BATCHES:
+        row = {k: t["qps"][k][b] for k in t["qps"]}
+        print(
+            f"  {b:>5} " + " ".join(f"{v:>11.0f}" for v in row.values()) +
+            f"   {max(row, key=lambda k: row[k])}"
+        )  # fmt: skip
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--records", type=int, default=100_000)
+    p.add_argument("--latent", type=int, default=128, help="d, the view's width")
     p.add_argument("--seconds", type=float, default=8.0)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repo", type=Path, default=REPO, help="the checkout to serve")
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--out", type=Path, default=Path("bench-out/server.json"))
     args = p.parse_args()
-    figures: dict[str, object] = {"records": args.records}
+    repo = args.repo.resolve()
+    figures: dict[str, Any] = {"records": args.records, "cpu": cpu_model(), "repo": str(repo)}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        write_records(work / "r.jsonl", args.records)
-        model = make_model(work / "model")
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "index",
-                "build",
-                "--model",
-                str(model),
-                "--records",
-                str(work / "r.jsonl"),
-                "--root",
-                str(work / "root"),
-                "--quiet",
-                "--views",
-                VIEW_QUERY,
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        figures["raw_faiss"] = faiss_figures(work / "root", args.seconds)
-        env = {
-            **os.environ,
-            "HCLIP_ROOT": str(work / "root"),
-            "HCLIP_PORT": str(args.port),
-            "HCLIP_CACHE_MAX_ITEMS": "100000",
+        write_records(work / "records.jsonl", args.records)
+        make_model(work / "model", args.latent, repo)
+        root = build(repo, work)
+        mine = root if repo == REPO else build(REPO, work)
+        figures["kernels"] = kernel_table(mine, args.seconds / 40)
+        figures["kernels_blas_env_unset"] = kernel_table_unset_env(mine, args.seconds / 40)
+        figures["served"] = {
+            w: served(repo, root, w, args.seconds, args.port + i)
+            for i, w in enumerate(args.workers)
         }
-        env.pop("HCLIP_REDIS_URL", None)
-        server = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve"],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        url = f"http://127.0.0.1:{args.port}"
-        try:
-            wait_ready(url, server)
-            pool = query_pool(200_000)
-            asyncio.run(load(url, pool[-200:], 4, 1.0))  # warm-up, queries not reused below
-            figures["served_1_client"] = served(url, pool[:100_000], 1, args.seconds, 1)
-            figures["served_32_clients"] = served(url, pool[100_000:199_000], 32, args.seconds, 2)
-            figures["cache_hit"] = cache_hit_latency(url, args.seconds / 2)
-        finally:
-            server.terminate()
-            server.wait(10)
-    raw = figures["raw_faiss"]
-    assert isinstance(raw, dict)
-    print(f"records {args.records}, view '{VIEW_QUERY}' (flat, d = 64)")
-    print(
-        f"raw FAISS, 1 thread: single {raw['faiss_qps_batch1']:.0f} q/s, "
-        f"batch 32 {raw['faiss_qps_batch32']:.0f} q/s, batch 64 {raw['faiss_qps_batch64']:.0f} q/s"
+    raw = figures["kernels"]["qps"]["faiss_scan"][1]
+    print(f"CPU: {figures['cpu']}; checkout served: {repo}")
+    print(f"raw FAISS, one query at a time, one thread: {raw:.0f} queries/s ({1e3 / raw:.2f} ms)")
+    print_table("kernels, queries/s, one thread", figures["kernels"])
+    print_table(
+        "kernels with OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE unset", figures["kernels_blas_env_unset"]
     )
-    for name in ("served_1_client", "served_32_clients"):
-        f = figures[name]
-        assert isinstance(f, dict)
+    for w, f in figures["served"].items():
+        one, many, hit = f["1_connection"], f["32_connections"], f["cache_hit"]
+        print(f"served, {w} worker(s):")
         print(
-            f"{name}: {f['qps']:.0f} q/s, p50 {f['p50_ms']:.1f} ms, p99 {f['p99_ms']:.1f} ms, "
-            f"{f['requests']} requests, {f['non_200']} not 200 ({f['load_generator']})"
+            f"  1 connection:   {one['qps']:>6.0f} q/s  p50 {one['p50_ms']:.2f} ms  "
+            f"p99 {one['p99_ms']:.2f} ms  (p50 - raw single {one['p50_ms'] - 1e3 / raw:+.2f} ms)"
         )
-    hit = figures["cache_hit"]
-    assert isinstance(hit, dict)
-    print(f"cache hit: p50 {hit['p50_ms']:.2f} ms, p99 {hit['p99_ms']:.2f} ms")
+        print(
+            f"  32 connections: {many['qps']:>6.0f} q/s  p50 {many['p50_ms']:.2f} ms  "
+            f"p99 {many['p99_ms']:.2f} ms  ({many['qps'] / raw:.2f}x raw single-query; "
+            f"{many['non_2xx']} not 2xx)"
+        )
+        print(f"  cache hit, 1 connection: p50 {hit['p50_ms']:.2f} ms, p99 {hit['p99_ms']:.2f} ms")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
+    args.out.write_text(json.dumps(figures, indent=2, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import numpy as np
 import orjson
 import torch
 from fastapi import APIRouter
+from starlette.responses import Response
 
 from app.errors import InvalidInput, Unanswerable
 from app.query import (
@@ -72,7 +73,7 @@ async def _query_vector(
     responses=errors(400, 413, 422, 503),
     summary="Nearest records for a query of one or more modalities",
 )
-async def search(body: SearchRequest, state: State, serving: Serving) -> JSONResponse:
+async def search(body: SearchRequest, state: State, serving: Serving) -> Response:
     s = state.settings
     k = s.default_k if body.k is None else body.k
     if k > s.max_k:
@@ -88,19 +89,16 @@ async def search(body: SearchRequest, state: State, serving: Serving) -> JSONRes
         check_raw(serving, m, v, f"query.{m}")
     async with deadline(s.request_timeout_s, state.metrics):
         # Each raw input is hashed once: its digest keys both caches.
-        digests = dict(
-            zip(body.query, await gather_all(input_digest(v) for v in body.query.values()),
-                strict=True)
-        )  # fmt: skip
+        digests = {m: await input_digest(v) for m, v in body.query.items()}
         key = (
             f"{s.cache_prefix}:res:{serving.version}:"
             f"{digest({'q': digests, 'e': body.embeddings, 'k': k})}"
         )
         hit = await state.cache.get(key)
         if hit is not None:
-            state.metrics.cache.labels(kind="result", outcome="hit").inc()
-            return JSONResponse({**orjson.loads(hit), "cached": True})
-        state.metrics.cache.labels(kind="result", outcome="miss").inc()
+            state.metrics.result_hits.inc()
+            return _json_bytes(b'{"cached":true,' + hit[1:])
+        state.metrics.result_misses.inc()
         xq = await _query_vector(state, serving, body, modalities, digests)
         scores, rows = await searcher.submit((xq, k))
     records = serving.index.records
@@ -110,10 +108,17 @@ async def search(body: SearchRequest, state: State, serving: Serving) -> JSONRes
         for sc, r in zip(scores.tolist(), rows.tolist(), strict=True)
         if r >= 0
     ]
-    out = {"index_version": serving.version, "view": view_name, "results": results}
-    encoded = orjson.dumps(out)
+    encoded = orjson.dumps(
+        {"index_version": serving.version, "view": view_name, "results": results}
+    )
     await state.cache.set(key, encoded, s.cache_ttl_s)
-    return JSONResponse({**out, "cached": False})
+    return _json_bytes(b'{"cached":false,' + encoded[1:])
+
+
+def _json_bytes(body: bytes) -> Response:
+    """The cached form is the response without its `cached` flag: the flag is spliced in as
+    the first key, so neither a hit nor a miss serialises the results twice."""
+    return Response(body, media_type="application/json")
 
 
 @router.post(

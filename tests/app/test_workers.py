@@ -1,0 +1,108 @@
+"""`hclip serve --workers 2`: both workers answer, with the same results; each swaps versions by
+itself; /metrics counts every worker's requests whichever worker renders it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from indexer import artifact
+from indexer.reader import LoadedVersion
+from models.checkpoint import load_model
+from tests.app.conftest import build_index, free_port, records_v, wait_until
+from tests.app.test_search import reference
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def fresh(url: str, method: str, path: str, **kw) -> httpx.Response:
+    """One request on a new connection: the kernel hands each accept to either worker."""
+    with httpx.Client(base_url=url, timeout=20) as c:
+        return c.request(method, path, **kw)
+
+
+@pytest.fixture
+def two_workers(tmp_path: Path, vector_index):
+    _, model_dir, _ = vector_index
+    root = tmp_path / "root"
+    build_index(root, model_dir, records_v("v1"), tmp_path)
+    port = free_port()
+    env = {
+        **os.environ,
+        "HCLIP_POLL_INTERVAL_S": "0.1",
+        "HCLIP_CALIBRATE_KERNELS": "false",
+        "PYTHONPATH": str(REPO),
+    }
+    env.pop("HCLIP_REDIS_URL", None)
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", "2"]
+    cmd += ["--root", str(root), "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return fresh(url, "GET", "/readyz").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, timeout=60)
+        yield url, root, model_dir, tmp_path
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        assert proc.returncode == 0, err[-2000:]
+        metrics_dirs = re.findall(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", err)
+        assert all(not Path(d).exists() for d in metrics_dirs)
+
+
+def test_two_workers_serve_swap_and_count(two_workers) -> None:
+    url, root, model_dir, tmp_path = two_workers
+    version = LoadedVersion(artifact.current_version_dir(root))
+    model = load_model(model_dir)
+    probes = records_v("x", n=30, seed=5)
+    seen: set[str] = set()
+    sent = 0
+    for i in range(60):
+        query = {"a": probes[i % 30]["a"], "b": probes[i % 30]["b"]}
+        r = fresh(url, "POST", "/v1/search", json={"query": query, "k": 5})
+        sent += 1
+        assert r.status_code == 200, r.text
+        seen.add(r.headers["x-hclip-instance"])
+        ids, _ = reference(version, model, query, 5)
+        assert [h["id"] for h in r.json()["results"]] == ids
+        if len(seen) == 2 and i >= 20:
+            break
+    assert len(seen) == 2, seen  # both workers answered
+
+    # counters are summed over the workers, whichever one renders /metrics
+    for _ in range(4):
+        text = fresh(url, "GET", "/metrics").text
+        got = re.search(
+            r'hclip_requests_total\{endpoint="/v1/search",method="POST",status="200"\} (\S+)', text
+        )
+        assert got is not None and float(got.group(1)) == sent
+
+    v2 = build_index(root, model_dir, records_v("v2", seed=1), tmp_path)
+    updated: set[str] = set()
+
+    def both_swapped() -> bool:
+        r = fresh(url, "GET", "/readyz")
+        if r.json()["index_version"] == v2:
+            updated.add(r.headers["x-hclip-instance"])
+        return updated == seen
+
+    wait_until(both_swapped, timeout=30)
+    r = fresh(url, "POST", "/v1/search", json={"query": {"a": probes[0]["a"]}, "k": 3})
+    assert {h["payload"]["version_tag"] for h in r.json()["results"]} == {"v2"}
