@@ -10,6 +10,7 @@ command -v docker-compose >/dev/null || missing+=(docker-compose)  # v1, for `co
 command -v espeak-ng >/dev/null || missing+=(espeak-ng)            # the demo's speech
 command -v chromium >/dev/null || missing+=(chromium)              # the browser test
 command -v chromedriver >/dev/null || missing+=(chromium-driver)
+command -v haproxy >/dev/null || missing+=(haproxy)                # the replicas' load balancer
 if [ "${#missing[@]}" -gt 0 ]; then
     echo "installing Debian packages: ${missing[*]}"
     sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"

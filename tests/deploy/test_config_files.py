@@ -64,9 +64,10 @@ def test_compose_services() -> None:
     assert redis["mem_limit"] and redis["healthcheck"]["test"][-1] == "ping"
     api = services["api"]
     assert api["depends_on"]["redis"]["condition"] == "service_healthy"
-    assert len(api["ports"]) == 1 and api["environment"]["HCLIP_REDIS_URL"].startswith(
-        "redis://redis"
-    )
+    assert api["environment"]["HCLIP_REDIS_URL"].startswith("redis://redis")
+    assert "ports" not in api and api["deploy"]["replicas"] >= 2  # behind the load balancer
+    lb = services["lb"]
+    assert len(lb["ports"]) == 1 and "./docker/haproxy.cfg" in lb["volumes"][0]
     assert any(v.startswith("index:/data/index") for v in api["volumes"])
     indexer = services["indexer"]
     assert indexer["profiles"] == ["indexer"] and indexer["command"][0] == "build"
