@@ -18,6 +18,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import numpy as np
@@ -125,6 +126,14 @@ class MicroBatcher(Generic[T, R]):
 SearchResult = tuple[np.ndarray, np.ndarray]  # (scores, rows) of one query, best first
 
 
+@dataclass(frozen=True)
+class SearchItem:
+    xq: np.ndarray  # (D,) the query factor
+    k: int
+    filter: dict[str, Any] | None = None  # validated against the version's fields
+    effort: int | None = None  # an approximate index's ef_search or nprobe
+
+
 def search_batcher(
     view: View,
     executor: Executor,
@@ -133,14 +142,32 @@ def search_batcher(
     on_batch: Callable[[int], None],
     max_pending: int = 1024,
     kernel_for: Callable[[int], str] = lambda n: "faiss",
-) -> MicroBatcher[tuple[np.ndarray, int], SearchResult]:
-    """Items are (query vector (D,), k); a flat view's batch goes to the exact kernel that
-    `kernel_for(batch size)` names (indexer.flat.Router)."""
+    mask_of: Callable[[View, dict[str, Any]], np.ndarray] | None = None,
+) -> MicroBatcher[SearchItem, SearchResult]:
+    """Plain queries of one batch go to the view together, to the exact kernel that
+    `kernel_for(batch size)` names (indexer.flat.Router); a query with a filter or its own
+    effort is searched on its own, its filter evaluated here, on the worker thread (a pass over
+    the field columns), not on the event loop."""
 
-    def run(items: list[tuple[np.ndarray, int]]) -> list[SearchResult | Exception]:
-        xq = np.stack([x for x, _ in items])  # (B, D)
-        scores, rows = view.search(xq, max(k for _, k in items), kernel_for(len(items)))
-        return [(scores[i, :k], rows[i, :k]) for i, (_, k) in enumerate(items)]
+    def run(items: list[SearchItem]) -> list[SearchResult | Exception]:
+        out: list[SearchResult | Exception] = [(np.empty(0), np.empty(0))] * len(items)
+        plain = [i for i, it in enumerate(items) if it.filter is None and it.effort is None]
+        if plain:
+            xq = np.stack([items[i].xq for i in plain])  # (B, D)
+            k_max = max(items[i].k for i in plain)
+            scores, rows = view.search(xq, k_max, kernel_for(len(plain)))
+            for j, i in enumerate(plain):
+                out[i] = (scores[j, : items[i].k], rows[j, : items[i].k])
+        for i, it in enumerate(items):
+            if it.filter is None and it.effort is None:
+                continue
+            allowed = None
+            if it.filter is not None:
+                assert mask_of is not None
+                allowed = mask_of(view, it.filter)
+            scores, rows = view.search(it.xq[None], it.k, kernel_for(1), allowed, it.effort)
+            out[i] = (scores[0], rows[0])
+        return out
 
     return MicroBatcher(
         run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}"

@@ -108,14 +108,23 @@ def _location(loc: tuple[Any, ...]) -> str:
 
 
 def validation_message(exc: RequestValidationError) -> str:
-    parts = []
-    for err in exc.errors()[:5]:
+    """One line per field at fault. A value that fits none of a union's forms (a filter
+    condition, a raw input) is named once, not once per form it failed."""
+    parts: dict[str, str] = {}
+    for err in exc.errors():
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
-            parts.append(f"body: not valid JSON ({detail})" if detail else "body: not valid JSON")
+            parts["body"] = f"not valid JSON ({detail})" if detail else "not valid JSON"
             continue
-        parts.append(f"{_location(tuple(err.get('loc', ())))}: {err.get('msg', 'invalid')}")
-    return "; ".join(parts)
+        loc = tuple(err.get("loc", ()))
+        tag = next((i for i, p in enumerate(loc) if isinstance(p, str) and "[" in p), None)
+        if tag is not None:
+            parts.setdefault(
+                _location(loc[:tag]), "fits none of its accepted forms (see /openapi.json)"
+            )
+        else:
+            parts.setdefault(_location(loc), str(err.get("msg", "invalid")))
+    return "; ".join(f"{where}: {msg}" for where, msg in list(parts.items())[:5])
 
 
 def install(app: FastAPI) -> None:

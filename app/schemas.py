@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
 
 Number = Annotated[float, Field(strict=True)]  # an int or a float, never a boolean
 RawInput = Annotated[
@@ -29,6 +29,35 @@ class ErrorBody(BaseModel):
     request_id: str | None = None
 
 
+FilterScalar = Annotated[StrictStr | StrictBool | Number, Field(description="a value to equal")]
+
+
+class InCondition(BaseModel):
+    """The field equals one of these values."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    in_: list[FilterScalar] = Field(alias="in", min_length=1)
+
+
+class RangeCondition(BaseModel):
+    """A numeric field within bounds (any of gt, gte, lt, lte; all must hold)."""
+
+    model_config = ConfigDict(extra="forbid")
+    gt: Number | None = None
+    gte: Number | None = None
+    lt: Number | None = None
+    lte: Number | None = None
+
+    @model_validator(mode="after")
+    def _some_bound(self) -> RangeCondition:
+        if all(v is None for v in (self.gt, self.gte, self.lt, self.lte)):
+            raise ValueError("a range needs at least one of gt, gte, lt, lte")
+        return self
+
+
+FilterCondition = FilterScalar | InCondition | RangeCondition
+
+
 class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -43,6 +72,32 @@ class SearchRequest(BaseModel):
     k: Annotated[int, Field(strict=True, ge=1)] | None = Field(
         None, description="results wanted (default HCLIP_DEFAULT_K, at most HCLIP_MAX_K)"
     )
+    filter: dict[str, FilterCondition] | None = Field(
+        None,
+        description="conditions on payload fields declared filterable at build time, all of "
+        "which must hold: a value (equality), {'in': [values]}, or a numeric range "
+        "{'gte': 2020, 'lt': 2024}; applied during the search, so k results come back "
+        "whenever k records match",
+    )
+    effort: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+        None,
+        description="an approximate view's search effort (HNSW ef_search, IVF nprobe), up to "
+        "HCLIP_MAX_EFFORT; exact views ignore it",
+    )
+
+    def filter_dict(self) -> dict[str, Any] | None:
+        """The filter as plain JSON values (an `in` condition keyed "in")."""
+        if self.filter is None:
+            return None
+        out: dict[str, Any] = {}
+        for name, cond in self.filter.items():
+            if isinstance(cond, InCondition):
+                out[name] = {"in": list(cond.in_)}
+            elif isinstance(cond, RangeCondition):
+                out[name] = cond.model_dump(exclude_none=True)
+            else:
+                out[name] = cond
+        return out
 
 
 class SearchHit(BaseModel):
@@ -56,6 +111,27 @@ class SearchResponse(BaseModel):
     view: str = Field(description="the query modalities joined with '+', sorted")
     results: list[SearchHit]
     cached: bool
+    effort: int | None = Field(
+        None, description="the effort an approximate view searched with; absent for exact views"
+    )
+
+
+class BatchSearchRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    queries: list[SearchRequest] = Field(
+        min_length=1, description="searches answered in order (at most HCLIP_MAX_BATCH_QUERIES)"
+    )
+
+
+class BatchItemError(ErrorBody):
+    status: int = Field(description="the status this query alone would have got")
+
+
+class BatchSearchResponse(BaseModel):
+    results: list[SearchResponse | BatchItemError] = Field(
+        description="one per query, in order: its response, or its error"
+    )
 
 
 class EmbedRequest(BaseModel):

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from app.batching import MicroBatcher, SearchResult, encode_batcher, search_batcher
+from app.batching import MicroBatcher, SearchItem, SearchResult, encode_batcher, search_batcher
 from app.errors import VersionRejected
 from app.metrics import Metrics
 from app.settings import Settings
@@ -53,7 +53,7 @@ def open_checked(vdir: Path, level: str) -> LoadedVersion:
 class ServingVersion:
     index: LoadedVersion
     model: MultimodalModel
-    searchers: dict[str, MicroBatcher[tuple[np.ndarray, int], SearchResult]] = field(
+    searchers: dict[str, MicroBatcher[SearchItem, SearchResult]] = field(
         default_factory=dict
     )  # one per view
     encoders: dict[str, MicroBatcher[Any, np.ndarray]] = field(default_factory=dict)
@@ -152,6 +152,7 @@ class VersionManager:
             serving.searchers[name] = search_batcher(
                 view, self.pools.faiss, s.batch_max, wait_s, self.metrics.batch_size.observe,
                 s.max_pending, router.kernel_for if router else lambda n: "faiss",
+                index.mask_of,
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:

@@ -31,6 +31,10 @@ class Settings(BaseSettings):
     default_k: int = Field(10, ge=1)
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     max_embed_inputs: int = Field(64, ge=1)
+    max_batch_queries: int = Field(64, ge=1, description="searches in one /v1/search/batch")
+    max_effort: int = Field(
+        4096, ge=1, description="the largest ef_search or nprobe a request may ask for"
+    )
     max_json_depth: int = Field(32, ge=2, description="nesting of [ and { in a request body")
     # Limits on one raw input, checked before any decoding (models.inputs.InputLimits).
     max_media_bytes: int = Field(6 * 1024 * 1024, ge=1024, description="one image or clip")

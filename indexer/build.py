@@ -41,6 +41,7 @@ class JobOptions:
     skip_bad: bool = False
     progress: bool = True
     check: bool = True  # the full verification of the staged version before it is published
+    filter_fields: tuple[str, ...] | None = None  # None: none at build, the old ones at update
 
 
 @dataclass
@@ -81,6 +82,7 @@ def _finish(
     validator: Validator,
     parent: str | None,
     extra: dict[str, Any],
+    fields: dict[str, dict[str, Any]],
 ) -> JobResult:
     """Build every view from the staged embeddings, write the manifest, check and publish."""
     stored = load_rows(stage, model.names, mmap=False)
@@ -105,6 +107,7 @@ def _finish(
             "rejected": len(validator.rejected),
         },
         "views": views,
+        "filter_fields": fields,
         "rejected": [r.to_dict() for r in validator.rejected[:MANIFEST_REJECTS]],
         "rejected_file": artifact.REJECTED if validator.rejected else None,
         **extra,
@@ -121,8 +124,9 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
         artifact.clean_staging(root)
         stage = artifact.staging_dir(root, artifact.new_version_id())
         try:
-            writer = RowWriter(stage, model.names, model.cfg.latent_dim)
-            validator = Validator(model, records_path.parent, skip_bad=opts.skip_bad)
+            fields = opts.filter_fields or ()
+            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields)
+            validator = Validator(model, records_path.parent, opts.skip_bad, fields)
             try:
                 encode_records(
                     model,
@@ -135,9 +139,9 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
             finally:
                 writer.close()
             extra = {"source": {"records": str(records_path.resolve())}}
-            return _finish(
-                root, stage, model, block, opts, validator, artifact.read_current(root), extra
-            )
+            parent = artifact.read_current(root)
+            info = writer.store.fields_info
+            return _finish(root, stage, model, block, opts, validator, parent, extra, info)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -156,7 +160,8 @@ def _copy_rows(
 ) -> tuple[int, int]:
     """Stream rows of the version (or staged part) at `src` whose ids are not in `drop` into
     `writer`, with their stored embeddings and payloads as stored; (rows kept, rows dropped)."""
-    store = RecordStore(src, names)
+    store = RecordStore(src, names)  # its own field columns are not read: the writer's are
+    # built anew from the payloads, so a field can be declared or dropped by an update
     arrays = {n: NpyRows(embedding_path(src, n)) for n in names}
     kept = dropped = 0
     for start, ids, payloads, presence in store.iter_chunks():
@@ -211,10 +216,13 @@ def update(
             opts.spec = _previous_spec(manifest)
         if opts.views is None:
             opts.views = [tuple(v["query"]) for v in manifest["views"].values()]
+        if opts.filter_fields is None:
+            opts.filter_fields = tuple(manifest.get("filter_fields") or {})
+        fields = opts.filter_fields
         deleted = set(_read_ids(delete)) if delete else set()
         stage = artifact.staging_dir(root, artifact.new_version_id())
         try:
-            validator = Validator(model, upsert.parent if upsert else root, skip_bad=opts.skip_bad)
+            validator = Validator(model, upsert.parent if upsert else root, opts.skip_bad, fields)
             side = stage / UPSERTS
             side.mkdir()
             side_writer = RowWriter(side, model.names, model.cfg.latent_dim)
@@ -236,7 +244,7 @@ def update(
             deleted_found = {i for i in deleted if old_store.row_of(i) is not None}
             old_count = len(old_store)
             old_store.close()
-            writer = RowWriter(stage, model.names, model.cfg.latent_dim)
+            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields)
             try:
                 kept, dropped = _copy_rows(old, model.names, writer, deleted | replaced)
                 appended, _ = _copy_rows(side, model.names, writer)
@@ -258,7 +266,10 @@ def update(
                     "deleted_not_found": sorted(missing)[:1000],
                 }
             }
-            return _finish(root, stage, model, manifest["model"], opts, validator, old.name, extra)
+            info = writer.store.fields_info
+            return _finish(
+                root, stage, model, manifest["model"], opts, validator, old.name, extra, info
+            )
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise

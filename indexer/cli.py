@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from indexer import artifact
@@ -14,6 +15,7 @@ from indexer.views import parse_views
 from models.checkpoint import read_config
 
 USER_ERRORS = (artifact.ArtifactError, SpecError)
+FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,6 +35,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             help="report bad records and leave them out instead of failing",
         )
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
+        sp.add_argument(
+            "--filter-fields",
+            help="comma-separated payload fields that searches may filter on (equality, in, "
+            "numeric ranges); default: none at build, the current version's at update",
+        )
 
     b = sub.add_parser("build", help="encode records and publish a new version")
     b.add_argument("--model", required=True, type=Path)
@@ -76,6 +83,14 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
             opts.views = parse_views(args.views, names)
         except ValueError as exc:
             raise SpecError(f"--views: {exc}") from None
+    if args.filter_fields is not None:
+        fields = tuple(f.strip() for f in args.filter_fields.split(",") if f.strip())
+        bad = [f for f in fields if not FIELD_NAME.match(f)]
+        if bad:
+            raise SpecError(
+                f"--filter-fields: {bad[0]!r} is not a field name (letters, digits, _-.)"
+            )
+        opts.filter_fields = fields
     return opts
 
 

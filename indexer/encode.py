@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from indexer.arrays import NpyAppender
 from indexer.artifact import EMBEDDINGS
+from indexer.filters import FieldsWriter, FieldValueError
 from indexer.recordstore import RecordStoreWriter
 from models.inputs import InputError, decode
 from models.model import MultimodalModel
@@ -81,6 +82,7 @@ class Validator:
     model: MultimodalModel
     base_dir: Path
     skip_bad: bool = False
+    filter_fields: tuple[str, ...] = ()
     seen: dict[str, int | None] = field(default_factory=dict)
     rejected: list[Rejected] = field(default_factory=list)
 
@@ -96,6 +98,11 @@ class Validator:
             where = f"line {first}" if first is not None else "an earlier record"
             raise RecordError(f"duplicate id, first seen on {where}", line, rid)
         payload = payload_json(obj.get("payload", {}), line, rid)
+        if self.filter_fields:
+            try:
+                FieldsWriter.check(obj.get("payload") or {}, self.filter_fields)
+            except FieldValueError as exc:
+                raise RecordError(str(exc), line, rid) from None
         inputs = {}
         for key, value in obj.items():
             if key in RESERVED_KEYS or value is None:
@@ -147,12 +154,12 @@ class RowWriter:
     rows are real.
     """
 
-    def __init__(self, vdir: Path, names: list[str], dim: int, embeddings_dir: str = EMBEDDINGS):
+    def __init__(self, vdir: Path, names: list[str], dim: int, filter_fields: tuple[str, ...] = ()):
         self.names = names
         self.dim = dim
-        self.store = RecordStoreWriter(vdir, names)
-        (vdir / embeddings_dir).mkdir(exist_ok=True)
-        self.arrays = {n: NpyAppender(vdir / embeddings_dir / f"{n}.npy", dim) for n in names}
+        self.store = RecordStoreWriter(vdir, names, filter_fields)
+        (vdir / EMBEDDINGS).mkdir(exist_ok=True)
+        self.arrays = {n: NpyAppender(vdir / EMBEDDINGS / f"{n}.npy", dim) for n in names}
 
     @property
     def rows(self) -> int:

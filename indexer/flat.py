@@ -38,14 +38,21 @@ def faiss_knn(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.nd
     return scores, pos
 
 
-def torch_blocked(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """torch (MKL) matrix products on blocks of rows, top-k per block, merged."""
+def torch_blocked(
+    xq: np.ndarray, xb: np.ndarray, k: int, allowed: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """torch (MKL) matrix products on blocks of rows, top-k per block, merged. With `allowed`
+    (N,) bool, other rows score -inf (k must not exceed the allowed count)."""
     q = torch.from_numpy(np.ascontiguousarray(xq, dtype=np.float32))  # (B, D)
     best_s: torch.Tensor | None = None
     best_i: torch.Tensor | None = None
     for start in range(0, xb.shape[0], BLOCK_ROWS):
+        if allowed is not None and not allowed[start : start + BLOCK_ROWS].any():
+            continue
         blk = torch.from_numpy(xb[start : start + BLOCK_ROWS])  # a view of the map, no copy
         s = q @ blk.T  # (B, rows)
+        if allowed is not None:
+            s[:, torch.from_numpy(~allowed[start : start + BLOCK_ROWS])] = -torch.inf
         v, i = torch.topk(s, min(k, s.shape[1]), dim=1)
         i += start
         if best_s is None or best_i is None:
@@ -89,6 +96,28 @@ def search(kernel: str, xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndar
     if k == 0 or len(xq) == 0:
         return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
     return KERNELS[kernel](xq, xb, k)
+
+
+SUBSET_FRACTION = 0.25  # below this share of allowed rows, copy them out and search the copy
+
+
+def search_allowed(
+    kernel: str, xq: np.ndarray, xb: np.ndarray, k: int, allowed: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact search restricted to the positions where `allowed` (N,) is True: min(k, allowed)
+    results per query, whatever the share of allowed rows.
+
+    Few allowed rows are gathered into a small matrix and searched with `kernel`; many are
+    searched in place by torch with the others' scores masked out, so that no large copy is
+    made (FAISS's exact kernel takes no mask)."""
+    positions = np.flatnonzero(allowed)
+    k = min(k, len(positions))
+    if k == 0 or len(xq) == 0:
+        return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
+    if len(positions) <= SUBSET_FRACTION * xb.shape[0]:
+        scores, pos = KERNELS[kernel](xq, np.ascontiguousarray(xb[positions]), k)
+        return scores, positions[pos]
+    return torch_blocked(xq, xb, k, allowed)
 
 
 @dataclass

@@ -10,7 +10,9 @@ instead of holding two resident copies.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +22,9 @@ import numpy as np
 from indexer import artifact, flat, mips
 from indexer.arrays import NpyRows
 from indexer.recordstore import RecordStore, RecordStoreError
-from indexer.specs import IndexSpec, set_search_params
-from indexer.views import StoredRows
+from indexer.specs import IndexSpec, search_params, set_search_params
+from indexer.views import StoredRows, factor_chunks
+from models.heads import build_head
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,9 @@ def load_rows(vdir: Path, names: list[str], mmap: bool = True) -> StoredRows:
     return StoredRows(names=names, embeddings=embeddings, presence=presence)
 
 
+EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are exact
+
+
 @dataclass
 class View:
     """One view: its rows and either its vectors (flat: exact search by indexer.flat's kernels)
@@ -58,29 +64,69 @@ class View:
     index: Any = None  # approximate: a FAISS index
     max_norm: float | None = None
     width: int | None = None
+    # approximate: position -> exact vectors, recomputed from the stored embeddings
+    exact_vectors: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
     def count(self) -> int:
         return len(self.rows)
 
+    @property
+    def default_effort(self) -> int | None:
+        """The effort the spec searches with: HNSW's ef_search, IVF's nprobe, else None."""
+        return self.spec.params.get("ef_search", self.spec.params.get("nprobe"))
+
     def search(
-        self, xq: np.ndarray, k: int, kernel: str = "faiss"
+        self,
+        xq: np.ndarray,
+        k: int,
+        kernel: str = "faiss",
+        allowed: np.ndarray | None = None,
+        effort: int | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(scores, record rows), both (nq, k'); k' = min(k, view size). Scores are exact
-        inner products for every index kind; rows of -1 mark missing results (IVF). `kernel`
-        names the exact kernel of a flat view (indexer.flat.KERNELS)."""
-        k = min(k, self.count)
-        if k == 0:
-            return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
+        """(scores, record rows), both (nq, k'); k' = min(k, view size, allowed positions).
+        Scores are exact inner products for every index kind; rows of -1 mark missing results
+        (IVF). `kernel` names the exact kernel of a flat view (indexer.flat.KERNELS);
+        `allowed` (count,) bool restricts the search to those positions (a filter); `effort`
+        overrides an approximate index's ef_search or nprobe."""
         xq = np.ascontiguousarray(xq, dtype=np.float32)
         if self.vectors is not None:
-            scores, pos = flat.search(kernel, xq, self.vectors, k)
+            if allowed is None:
+                scores, pos = flat.search(kernel, xq, self.vectors, k)
+            else:
+                scores, pos = flat.search_allowed(kernel, xq, self.vectors, k, allowed)
         else:
-            assert self.max_norm is not None and self.width is not None
-            dist, pos = self.index.search(mips.pad_queries(xq, self.width), k)
-            scores = mips.inner_products(xq, dist, self.max_norm)
-        rows = np.where(pos >= 0, self.rows[np.clip(pos, 0, None)], -1)
+            scores, pos = self._approximate(xq, k, allowed, effort)
+        rows = np.where(pos >= 0, np.asarray(self.rows)[np.clip(pos, 0, None)], -1)
         return scores, rows
+
+    def _approximate(
+        self, xq: np.ndarray, k: int, allowed: np.ndarray | None, effort: int | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        assert self.max_norm is not None and self.width is not None
+        n_allowed = self.count if allowed is None else int(allowed.sum())
+        k = min(k, n_allowed)
+        if k == 0:
+            return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
+        if (
+            allowed is not None
+            and self.exact_vectors is not None
+            and (n_allowed <= EXACT_FILTERED_ROWS or n_allowed <= flat.SUBSET_FRACTION * self.count)
+        ):
+            # A graph or list search under a selective filter runs out of allowed neighbours:
+            # few allowed rows are searched exactly, from vectors recomputed for them.
+            positions = np.flatnonzero(allowed)
+            exact_s, exact_p = flat.search("faiss", xq, self.exact_vectors(positions), k)
+            return exact_s, positions[exact_p]
+        if allowed is not None and effort is None and self.default_effort is not None:
+            # A filter keeping a share p of the rows leaves about p of each candidate list:
+            # widen the search to keep the effort spent on allowed rows (at most 4x).
+            effort = min(
+                4 * self.default_effort, round(self.default_effort * self.count / n_allowed)
+            )
+        params = search_params(self.index, self.spec, effort, allowed)
+        dist, pos = self.index.search(mips.pad_queries(xq, self.width), k, params=params)
+        return mips.inner_products(xq, dist, self.max_norm), pos
 
 
 class LoadedVersion:
@@ -93,7 +139,7 @@ class LoadedVersion:
         self.names: list[str] = self.manifest["modalities"]
         count = int(self.manifest["counts"]["records"])
         try:
-            self.records = RecordStore(vdir, self.names)
+            self.records = RecordStore(vdir, self.names, self.manifest.get("filter_fields"))
         except RecordStoreError as exc:
             raise artifact.ArtifactError(str(exc)) from None
         if len(self.records) != count:
@@ -105,6 +151,9 @@ class LoadedVersion:
             embeddings={n: self._embeddings(n, count) for n in self.names},
             presence=self.records.presence,
         )
+        cfg = self.manifest["model"]["config"]
+        # Record factors are parameter-free for every head: no weights needed to recompute.
+        self.head = build_head(cfg["head"], self.names, cfg["latent_dim"])
         self.views: dict[str, View] = {}
         for name, entry in self.manifest["views"].items():
             self.views[name] = self._open_view(name, entry, mmap)
@@ -134,6 +183,7 @@ class LoadedVersion:
             set_search_params(view.index, spec)
             view.max_norm = float(entry["augment"]["max_norm"])
             view.width = int(entry["augment"]["width"])
+            view.exact_vectors = partial(self._record_factors, view)
             held = (view.index.ntotal, dim)
         if held != (count, dim) or len(rows) != count:
             raise artifact.ArtifactError(
@@ -141,6 +191,16 @@ class LoadedVersion:
                 f"({count}, {dim})"
             )
         return view
+
+    def _record_factors(self, view: View, positions: np.ndarray) -> np.ndarray:
+        """The exact vectors of a view's positions, from the stored embeddings."""
+        rows = np.asarray(view.rows)[positions]
+        chunks = factor_chunks(self.head, self.stored, rows, view.target, "record")
+        return np.concatenate([np.zeros((0, view.dim), np.float32), *chunks])
+
+    def mask_of(self, view: View, flt: dict[str, Any]) -> np.ndarray:
+        """(view count,) bool: the view's positions whose records pass the filter."""
+        return self.records.fields.evaluate(flt, len(self.records))[np.asarray(view.rows)]
 
     @property
     def fingerprint(self) -> str:

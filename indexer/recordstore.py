@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import numpy as np
 import orjson
 
 from indexer.arrays import NpyAppender
+from indexer.filters import FIELDS_DIR, FieldColumns, FieldsWriter
 
 DIR = "records"
 IDS, IDS_OFF = "ids.bin", "ids.offsets.npy"
@@ -52,12 +53,15 @@ def id_hashes(ids: Sequence[str]) -> np.ndarray:
 
 
 class RecordStoreWriter:
-    """Appends rows in order; close() sorts the id hashes. Memory: the hashes (8 bytes/row)."""
+    """Appends rows in order; close() sorts the id hashes. Memory: the hashes (8 bytes/row),
+    and the filterable fields' columns (indexer.filters)."""
 
-    def __init__(self, vdir: Path, names: Sequence[str]):
+    def __init__(self, vdir: Path, names: Sequence[str], filter_fields: Sequence[str] = ()):
         self.dir = vdir / DIR
         self.dir.mkdir()
         self.names = list(names)
+        self.fields = FieldsWriter(self.dir, filter_fields)
+        self.fields_info: dict[str, dict[str, Any]] = {}
         self._ids = open(self.dir / IDS, "wb")  # noqa: SIM115 - closed in close()
         self._payloads = open(self.dir / PAYLOADS, "wb")  # noqa: SIM115
         self._ids_off = NpyAppender(self.dir / IDS_OFF, None, "<i8")
@@ -82,6 +86,7 @@ class RecordStoreWriter:
         self._payloads_off.append(pl_ends)
         self._presence.append(np.asarray(presence, dtype=bool).reshape(len(ids), len(self.names)))
         self._hashes.append(id_hashes(ids))
+        self.fields.append(payloads)
         self.rows += len(ids)
 
     def close(self) -> None:
@@ -98,6 +103,7 @@ class RecordStoreWriter:
         np.save(self.dir / ID_HASH, hashes[order])
         np.save(self.dir / ID_ROW, order.astype(np.int64))
         self._hashes.clear()
+        self.fields_info = self.fields.close()
 
 
 def _map_bytes(path: Path) -> mmap.mmap | bytes:
@@ -110,7 +116,12 @@ def _map_bytes(path: Path) -> mmap.mmap | bytes:
 class RecordStore:
     """One version's records, opened read-only and memory-mapped."""
 
-    def __init__(self, vdir: Path, names: Sequence[str]):
+    def __init__(
+        self,
+        vdir: Path,
+        names: Sequence[str],
+        filter_fields: Mapping[str, Mapping[str, Any]] | None = None,
+    ):
         d = vdir / DIR
         self.names = list(names)
         try:
@@ -121,7 +132,8 @@ class RecordStore:
             self.presence = np.load(d / PRESENCE, mmap_mode="r")
             self._hash = np.load(d / ID_HASH, mmap_mode="r")
             self._hash_row = np.load(d / ID_ROW, mmap_mode="r")
-        except (OSError, ValueError) as exc:
+            self.fields = FieldColumns(d, filter_fields or {})
+        except (OSError, ValueError, KeyError) as exc:
             raise RecordStoreError(f"{d}: cannot open the record store ({exc})") from None
         self._check_shapes(d)
 
@@ -141,6 +153,9 @@ class RecordStore:
                 problems.append(f"{name} ends at byte {int(off[-1])}, its blob has {len(blob)}")
         if self._hash_row.shape != (n,):
             problems.append(f"{ID_ROW} has {self._hash_row.shape[0]} entries, expected {n}")
+        for name, col in [*self.fields.num.items(), *self.fields.codes.items()]:
+            if col.shape != (n,):
+                problems.append(f"{FIELDS_DIR}/{name} has {col.shape[0]} rows, expected {n}")
         if problems:
             raise RecordStoreError(f"{d}: " + "; ".join(problems))
 

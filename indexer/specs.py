@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import faiss
+import numpy as np
 
 DEFAULTS: dict[str, dict[str, int]] = {
     "flat": {},
@@ -107,3 +108,26 @@ def set_search_params(index: Any, spec: IndexSpec) -> None:
         hnsw.hnsw.efSearch = spec.params["ef_search"]
     elif spec.kind in ("ivf", "ivfpq"):
         faiss.extract_index_ivf(index).nprobe = spec.params["nprobe"]
+
+
+def search_params(
+    index: Any, spec: IndexSpec, effort: int | None, allowed: np.ndarray | None
+) -> Any:
+    """FAISS search parameters for one call: the effort asked for (ef_search or nprobe) and a
+    selector of the allowed positions; None when neither is given."""
+    if effort is None and allowed is None:
+        return None
+    lib: Any = faiss  # its type stubs lack the search-parameter classes
+    sel = None
+    if allowed is not None:
+        bits = np.packbits(allowed.astype(np.uint8), bitorder="little")
+        sel = lib.IDSelectorBitmap(len(allowed), lib.swig_ptr(bits))
+        sel.bits_ref = bits  # the selector points into the array: keep it alive with it
+    if spec.kind == "hnsw":
+        params = lib.SearchParametersHNSW(sel=sel, efSearch=effort or spec.params["ef_search"])
+    elif spec.kind in ("ivf", "ivfpq"):
+        params = lib.SearchParametersIVF(sel=sel, nprobe=effort or spec.params["nprobe"])
+    else:
+        params = lib.SearchParameters(sel=sel)
+    params.sel_ref = sel
+    return params

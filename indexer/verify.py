@@ -55,7 +55,7 @@ def verify_contents(vdir: Path) -> list[str]:
     store's consistency, each view's rows, and each flat view's vectors recomputed."""
     manifest = artifact.read_manifest(vdir)
     names: list[str] = manifest["modalities"]
-    store = RecordStore(vdir, names)
+    store = RecordStore(vdir, names, manifest.get("filter_fields"))
     problems = store.problems()
     store.close()
     stored = load_rows(vdir, names, mmap=False)

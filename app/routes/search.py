@@ -1,4 +1,4 @@
-"""POST /v1/search and POST /v1/embed."""
+"""POST /v1/search, POST /v1/search/batch and POST /v1/embed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from app.errors import InvalidInput, Unanswerable
+from app.batching import SearchItem
+from app.errors import ApiError, InvalidInput, Unanswerable
 from app.query import (
     check_embedding,
     check_raw,
@@ -26,9 +27,17 @@ from app.query import (
 from app.requests import ApiRoute
 from app.responses import JSONResponse
 from app.routes.docs import errors
-from app.schemas import EmbedRequest, EmbedResponse, SearchRequest, SearchResponse
+from app.schemas import (
+    BatchSearchRequest,
+    BatchSearchResponse,
+    EmbedRequest,
+    EmbedResponse,
+    SearchRequest,
+    SearchResponse,
+)
 from app.serving import ServingVersion
 from app.state import AppState, Serving, State
+from indexer.filters import FilterError
 
 router = APIRouter(route_class=ApiRoute)
 
@@ -67,40 +76,56 @@ async def _query_vector(
     return q[0].numpy().astype(np.float32)  # (D,)
 
 
-@router.post(
-    "/v1/search",
-    response_model=SearchResponse,
-    responses=errors(400, 413, 422, 503),
-    summary="Nearest records for a query of one or more modalities",
-)
-async def search(body: SearchRequest, state: State, serving: Serving) -> Response:
+def _checked(
+    state: AppState, serving: ServingVersion, body: SearchRequest
+) -> tuple[str, int, dict[str, object] | None, int | None]:
+    """What a search needs that the body alone cannot check: (view, k, filter, effort)."""
     s = state.settings
     k = s.default_k if body.k is None else body.k
     if k > s.max_k:
         raise InvalidInput(f"k: must be between 1 and {s.max_k} (HCLIP_MAX_K), got {k}")
     modalities = query_modalities(serving, list(body.query), list(body.embeddings))
     view_name = "+".join(modalities)
-    searcher = serving.searchers.get(view_name)
-    if searcher is None:
-        raise Unanswerable(
-            f"no index for query modalities {view_name!r} (views: {', '.join(serving.searchers)})"
-        )
+    view = serving.index.views.get(view_name)
+    if view is None:
+        views = ", ".join(serving.searchers)
+        raise Unanswerable(f"no index for query modalities {view_name!r} (views: {views})")
     for m, v in body.query.items():
         check_raw(serving, m, v, f"query.{m}")
+    flt = body.filter_dict()
+    if flt is not None:
+        try:
+            serving.index.records.fields.validate(flt)
+        except FilterError as exc:
+            raise InvalidInput(str(exc)) from None
+    effort = None
+    if body.effort is not None and not view.spec.exact:
+        if body.effort > s.max_effort:
+            raise InvalidInput(
+                f"effort: at most {s.max_effort} (HCLIP_MAX_EFFORT), got {body.effort}"
+            )
+        effort = body.effort
+    return view_name, k, flt, effort
+
+
+async def run_search(state: AppState, serving: ServingVersion, body: SearchRequest) -> bytes:
+    """One search, answered as the response body's bytes (errors raise ApiError)."""
+    s = state.settings
+    view_name, k, flt, effort = _checked(state, serving, body)
     async with deadline(s.request_timeout_s, state.metrics):
         # Each raw input is hashed once: its digest keys both caches.
         digests = {m: await input_digest(v) for m, v in body.query.items()}
-        key = (
-            f"{s.cache_prefix}:res:{serving.version}:"
-            f"{digest({'q': digests, 'e': body.embeddings, 'k': k})}"
-        )
+        request = {"q": digests, "e": body.embeddings, "k": k, "f": flt, "x": effort}
+        key = f"{s.cache_prefix}:res:{serving.version}:{digest(request)}"
         hit = await state.cache.get(key)
         if hit is not None:
             state.metrics.result_hits.inc()
-            return _json_bytes(b'{"cached":true,' + hit[1:])
+            return b'{"cached":true,' + hit[1:]
         state.metrics.result_misses.inc()
+        modalities = tuple(view_name.split("+"))
         xq = await _query_vector(state, serving, body, modalities, digests)
-        scores, rows = await searcher.submit((xq, k))
+        item = SearchItem(xq, k, flt, effort)
+        scores, rows = await serving.searchers[view_name].submit(item)
     records = serving.index.records
     # Payloads go into the response as the JSON bytes the record store holds, unparsed.
     results = [
@@ -108,17 +133,50 @@ async def search(body: SearchRequest, state: State, serving: Serving) -> Respons
         for sc, r in zip(scores.tolist(), rows.tolist(), strict=True)
         if r >= 0
     ]
-    encoded = orjson.dumps(
-        {"index_version": serving.version, "view": view_name, "results": results}
-    )
+    out: dict[str, object] = {"index_version": serving.version, "view": view_name}
+    if not serving.index.views[view_name].spec.exact:
+        out["effort"] = effort or serving.index.views[view_name].default_effort
+    out["results"] = results
+    encoded = orjson.dumps(out)
     await state.cache.set(key, encoded, s.cache_ttl_s)
-    return _json_bytes(b'{"cached":false,' + encoded[1:])
+    # The cached form lacks the `cached` flag: it is spliced in as the first key, so neither
+    # a hit nor a miss serialises the results twice.
+    return b'{"cached":false,' + encoded[1:]
 
 
-def _json_bytes(body: bytes) -> Response:
-    """The cached form is the response without its `cached` flag: the flag is spliced in as
-    the first key, so neither a hit nor a miss serialises the results twice."""
-    return Response(body, media_type="application/json")
+@router.post(
+    "/v1/search",
+    response_model=SearchResponse,
+    responses=errors(400, 413, 422, 503),
+    summary="Nearest records for a query of one or more modalities",
+)
+async def search(body: SearchRequest, state: State, serving: Serving) -> Response:
+    return Response(await run_search(state, serving, body), media_type="application/json")
+
+
+@router.post(
+    "/v1/search/batch",
+    response_model=BatchSearchResponse,
+    responses=errors(413, 422, 503),
+    summary="Several searches in one request, answered in order, each with its own error",
+)
+async def search_batch(body: BatchSearchRequest, state: State, serving: Serving) -> Response:
+    limit = state.settings.max_batch_queries
+    if len(body.queries) > limit:
+        raise InvalidInput(
+            f"queries: at most {limit} (HCLIP_MAX_BATCH_QUERIES), got {len(body.queries)}"
+        )
+
+    async def one(q: SearchRequest) -> bytes:
+        try:
+            return await run_search(state, serving, q)
+        except ApiError as exc:
+            err = {"status": exc.status, "error": exc.message, "error_type": exc.error_type}
+            return orjson.dumps(err)
+
+    # Started together, the queries meet in the encoders' and the views' batchers.
+    parts = await asyncio.gather(*(one(q) for q in body.queries))
+    return Response(b'{"results":[' + b",".join(parts) + b"]}", media_type="application/json")
 
 
 @router.post(

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from app.batching import MicroBatcher, search_batcher
+from app.batching import MicroBatcher, SearchItem, search_batcher
 from indexer.reader import View
 from indexer.specs import IndexSpec
 
@@ -64,7 +64,7 @@ def test_search_batches_equal_one_by_one_searches(kernel: str) -> None:
         b = search_batcher(
             view, ThreadPoolExecutor(1), 64, 0.002, sizes.append, kernel_for=lambda n: kernel
         )
-        return await asyncio.gather(*(b.submit((xq[i], 3 + i % 4)) for i in range(12)))
+        return await asyncio.gather(*(b.submit(SearchItem(xq[i], 3 + i % 4)) for i in range(12)))
 
     got = asyncio.run(main())
     assert sum(sizes) == 12 and len(sizes) < 12
