@@ -31,6 +31,7 @@ from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
 
+NON_FINITE = "the encoder's output is not finite for this input (are its values too large?)"
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -210,8 +211,10 @@ def encode_batcher(
         if decoded:
             with torch.no_grad():
                 embs = model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
+            finite = np.asarray(np.isfinite(embs).all(axis=1), dtype=bool)
             for j, i in enumerate(where):
-                out[i] = embs[j]
+                # Values near float32's limit overflow inside the encoder: the input's fault.
+                out[i] = embs[j] if bool(finite[j]) else InputError(NON_FINITE)
         return out
 
     return MicroBatcher(

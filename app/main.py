@@ -13,14 +13,14 @@ import faiss
 import torch
 from fastapi import FastAPI
 
-from app import errors
+from app import errors, openapi
 from app.cache import make_cache
 from app.metrics import Metrics
 from app.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
 from app.requests import ApiRoute
 from app.responses import JSONResponse
 from app.routes import ops, page, records, search
-from app.serving import VersionManager
+from app.serving import ServingVersion, VersionManager
 from app.settings import Settings, get_settings
 from app.state import AppState
 from app.workers import WorkerPools
@@ -64,6 +64,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(
         title="H-CLIP retrieval",
         version="0.1.0",
+        description="Search records of several modalities with a Hadamard-CLIP model. Errors "
+        "are {error, error_type, request_id}; see docs/design.md in the repository.",
         lifespan=lifespan,
         default_response_class=JSONResponse,
     )
@@ -77,4 +79,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (ops, search, records):
         app.include_router(module.router)
     page.install(app, settings.media_dir)
+    openapi.install(app, settings, lambda: _current(app))
     return app
+
+
+def _current(app: FastAPI) -> ServingVersion | None:
+    state: AppState | None = getattr(app.state, "hclip", None)
+    return state.versions.current if state is not None else None

@@ -18,7 +18,7 @@ from app.cache import Cache
 from app.errors import DeadlineExceeded, InvalidInput, Unanswerable
 from app.metrics import Metrics
 from app.serving import ServingVersion
-from models.inputs import FLOAT32_MAX, InputError
+from models.inputs import FLOAT32_MAX, InputError, InputLimits, decode
 
 OFF_LOOP_BYTES = 1 << 16  # hashlib releases the GIL on large inputs: hash those on a thread
 
@@ -76,21 +76,32 @@ def query_modalities(
     return modalities
 
 
-def check_raw(serving: ServingVersion, modality: str, value: Any, field: str) -> None:
-    kind = serving.model.cfg.modalities[modality].kind
+def check_raw(
+    serving: ServingVersion, modality: str, value: Any, field: str, limits: InputLimits
+) -> None:
+    """What can be checked of a raw input before it is queued: its type, and for the cheap
+    kinds (texts, vectors) the value itself. Media are decoded by their encoder's thread."""
+    cfg = serving.model.cfg.modalities[modality]
     # A client must not make the server read its own files: media come inline only.
-    if kind in ("image", "audio") and not (isinstance(value, str) and value.startswith("data:")):
-        raise InvalidInput(f"{field}: {kind} must be a base64 data: URI")
-    # Other kinds' decoders say what is wrong with a value of the wrong type.
+    if cfg.kind in ("image", "audio"):
+        if not (isinstance(value, str) and value.startswith("data:")):
+            raise InvalidInput(f"{field}: {cfg.kind} must be a base64 data: URI")
+    elif cfg.kind in ("text", "vector", "embedding"):
+        try:
+            decode(value, cfg, base_dir=None, limits=limits)
+        except InputError as exc:
+            raise as_api_error(field, exc) from None
 
 
-def check_embedding(field: str, value: list[float], d: int) -> torch.Tensor:
+def check_embedding(field: str, value: list[float], d: int, max_abs: float) -> torch.Tensor:
     if len(value) != d:
         raise InvalidInput(
             f"{field}: expected {d} numbers (the model's latent d), got {len(value)}"
         )
     if not all(math.isfinite(v) and abs(v) <= FLOAT32_MAX for v in value):
         raise InvalidInput(f"{field}: holds NaN, infinite or out-of-float32-range values")
+    if any(abs(v) > max_abs for v in value):
+        raise InvalidInput(f"{field}: holds a number beyond +-{max_abs:g} (HCLIP_MAX_ABS_VALUE)")
     return torch.tensor(value, dtype=torch.float32)
 
 

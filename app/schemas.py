@@ -9,9 +9,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictStr,
+    model_validator,
+)
 
 Number = Annotated[float, Field(strict=True)]  # an int or a float, never a boolean
+
+
+def _integral(value: Any) -> Any:
+    """JSON's integers, 3.0 included (JSON Schema counts it as an integer); not true."""
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1)]
 RawInput = Annotated[
     str | list[Number],
     Field(
@@ -69,7 +89,7 @@ class SearchRequest(BaseModel):
         description="modality -> precomputed embedding (the model's latent d numbers, "
         "as GET /v1/records/{id}/embeddings or POST /v1/embed return them)",
     )
-    k: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+    k: Count | None = Field(
         None, description="results wanted (default HCLIP_DEFAULT_K, at most HCLIP_MAX_K)"
     )
     filter: dict[str, FilterCondition] | None = Field(
@@ -79,7 +99,7 @@ class SearchRequest(BaseModel):
         "{'gte': 2020, 'lt': 2024}; applied during the search, so k results come back "
         "whenever k records match",
     )
-    effort: Annotated[int, Field(strict=True, ge=1)] | None = Field(
+    effort: Count | None = Field(
         None,
         description="an approximate view's search effort (HNSW ef_search, IVF nprobe), up to "
         "HCLIP_MAX_EFFORT; exact views ignore it",

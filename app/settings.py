@@ -43,6 +43,9 @@ class Settings(BaseSettings):
     min_sample_rate: int = Field(1000, ge=1)
     max_sample_rate: int = Field(192_000, ge=1)
     max_text_chars: int = Field(4096, ge=1)
+    max_abs_value: float = Field(
+        1e6, gt=0, description="a number in a vector input or an embedding; larger is refused"
+    )
 
     # Backpressure: bounded queues, and a deadline after which a request gives up (503).
     max_pending: int = Field(256, ge=1, description="queued requests per batcher, then 503")
@@ -92,6 +95,7 @@ class Settings(BaseSettings):
             min_sample_rate=self.min_sample_rate,
             max_sample_rate=self.max_sample_rate,
             max_text_chars=self.max_text_chars,
+            max_abs_value=self.max_abs_value,
         )
 
     @field_validator("verify_on_load", mode="before")

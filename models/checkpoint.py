@@ -2,7 +2,8 @@
 
 Loading checks every tensor's name and shape against the architecture that the config
 describes, and refuses pickles, truncated files and non-finite weights with a message that
-names the file and the tensor.
+names the file and the tensor. A plugin modality's frozen tower is not in the directory: its
+config names the weights file, and the fingerprint hashes that file too.
 """
 
 from __future__ import annotations
@@ -11,17 +12,16 @@ import hashlib
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from models.config import ConfigError, ModelConfig
 from models.model import MultimodalModel
+from models.plugins import PluginError, plugin_identity
+from models.tensor_files import check_tensors, fsync_dir, fsync_file, read_tensors
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -30,19 +30,6 @@ FORMAT_VERSION = 1
 
 class CheckpointError(ValueError):
     """A model directory is missing, corrupt, pickled, or does not match its config."""
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def prepare_out_dir(out: Path, overwrite: bool = False) -> None:
@@ -75,32 +62,16 @@ def save_model(
         config = {"format_version": FORMAT_VERSION, **model.cfg.to_dict(), **(extra or {})}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
+            fsync_file(f)
+        fsync_dir(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _check_not_pickle(path: Path) -> None:
-    with open(path, "rb") as f:
-        head = f.read(8)
-    # torch.save writes a zip archive ("PK") or a raw pickle (protocol marker 0x80).
-    if head[:2] == b"PK" or head[:1] == b"\x80":
-        raise CheckpointError(
-            f"{path}: this is a pickled (torch.save) checkpoint; only safetensors are loaded, "
-            "because unpickling can run arbitrary code"
-        )
-    if len(head) < 8:
-        raise CheckpointError(f"{path}: truncated safetensors file")
-    (header_len,) = struct.unpack("<Q", head)
-    if header_len > path.stat().st_size - 8:
-        raise CheckpointError(f"{path}: corrupt safetensors header (truncated file?)")
 
 
 def read_config(model_dir: Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -116,10 +87,19 @@ def read_config(model_dir: Path) -> tuple[ModelConfig, dict[str, Any]]:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg_path}: expected a JSON object")
     try:
-        cfg = ModelConfig.from_dict(raw)
+        # A relative plugin weights path in a model directory is relative to the directory.
+        cfg = ModelConfig.from_dict(raw, base_dir=model_dir)
     except ConfigError as exc:
         raise CheckpointError(f"{cfg_path}: {exc}") from None
     return cfg, raw
+
+
+def build_model(cfg: ModelConfig) -> MultimodalModel:
+    """The architecture of a config; a plugin's tower that cannot be loaded is a CheckpointError."""
+    try:
+        return MultimodalModel(cfg)
+    except PluginError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def load_model(model_dir: str | Path) -> MultimodalModel:
@@ -127,43 +107,57 @@ def load_model(model_dir: str | Path) -> MultimodalModel:
     model_dir = Path(model_dir)
     cfg, _ = read_config(model_dir)
     weights = model_dir / WEIGHTS_FILE
-    if not weights.is_file():
-        raise CheckpointError(f"{weights}: missing")
-    _check_not_pickle(weights)
-    try:
-        state = load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{weights}: corrupt safetensors file ({exc})") from None
-    model = MultimodalModel(cfg)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing:
-        raise CheckpointError(
-            f"{weights}: tensor {missing[0]!r} is missing ({len(missing)} in all)"
-        )
-    if unexpected:
-        raise CheckpointError(f"{weights}: unexpected tensor {unexpected[0]!r} for this config")
-    for name, tensor in state.items():
-        want = tuple(expected[name].shape)
-        if tuple(tensor.shape) != want:
-            raise CheckpointError(
-                f"{weights}: tensor {name!r} has shape {tuple(tensor.shape)}, config needs {want}"
-            )
-        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
-            raise CheckpointError(f"{weights}: tensor {name!r} holds NaN or infinite values")
+    state = read_tensors(weights, CheckpointError)
+    model = build_model(cfg)
+    check_tensors(weights, state, model.state_dict(), CheckpointError)
     model.load_state_dict(state, strict=True)
     model.eval()
     return model
 
 
-def fingerprint(model_dir: str | Path) -> str:
-    """A content hash of the config's architecture and the weights: equal iff same model."""
-    model_dir = Path(model_dir)
-    cfg, _ = read_config(model_dir)
-    h = hashlib.sha256()
-    h.update(json.dumps(cfg.to_dict(), sort_keys=True).encode())
-    with open(model_dir / WEIGHTS_FILE, "rb") as f:
+def _hash_file(path: Path, h: Any) -> None:
+    with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+
+
+def _plugin_block(cfg: ModelConfig) -> dict[str, Any]:
+    """Per plugin modality: the package that decodes its inputs and the hash of its weights."""
+    out: dict[str, Any] = {}
+    for name in cfg.names:
+        m = cfg.modalities[name]
+        if m.kind != "plugin":
+            continue
+        assert m.plugin is not None and m.weights is not None
+        h = hashlib.sha256()
+        try:
+            _hash_file(Path(m.weights), h)
+            identity = plugin_identity(m.plugin)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"modalities.{name}.weights: plugin {m.plugin!r} weights file not found: "
+                f"{m.weights}"
+            ) from None
+        except PluginError as exc:
+            raise CheckpointError(f"modalities.{name}.plugin: {exc}") from None
+        out[name] = {**identity, "weights_sha256": h.hexdigest()}
+    return out
+
+
+def fingerprint(model_dir: str | Path) -> str:
+    """A content hash of the config's architecture and the weights: equal iff same model.
+
+    For a model with plugin modalities it also covers each plugin's package and version and
+    the content of its weights file (not its path: a moved file is the same model)."""
+    model_dir = Path(model_dir)
+    cfg, _ = read_config(model_dir)
+    arch = cfg.to_dict()
+    plugins = _plugin_block(cfg)
+    for name in plugins:
+        del arch["modalities"][name]["weights"]
+    h = hashlib.sha256()
+    h.update(json.dumps(arch, sort_keys=True).encode())
+    _hash_file(model_dir / WEIGHTS_FILE, h)
+    if plugins:  # absent otherwise, so that models without plugins keep their fingerprints
+        h.update(json.dumps(plugins, sort_keys=True).encode())
     return h.hexdigest()[:16]

@@ -12,9 +12,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENCODER_KINDS = ("vector", "text", "image", "audio")
+ENCODER_KINDS = ("vector", "embedding", "text", "image", "audio", "plugin")
 HEADS = ("hclip", "sum_of_pairs", "symile", "clip")
 LOSSES = ("full_conditional", "pairwise")
+EMBEDDING_MAPS = ("none", "linear")
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "fp32", "bf16")
+# Train settings that may change between a checkpoint and its resumption: they alter how fast
+# a run goes, never where it ends.
+RESUMABLE_CHANGES = ("num_workers", "num_threads", "log_every", "checkpoint_every", "device")
 
 
 class ConfigError(ValueError):
@@ -49,12 +55,34 @@ def _check_keys(obj: dict[str, Any], allowed: set[str], path: str) -> None:
         raise ConfigError(f"{path}{unknown[0]}: unknown field (allowed: {sorted(allowed)})")
 
 
+def _fraction(value: Any, path: str) -> float:
+    x = _float(value, path, positive=False)
+    if not 0.0 <= x < 1.0:
+        raise ConfigError(f"{path}: must be in [0, 1), got {value!r}")
+    return x
+
+
+def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
+    if value not in choices:
+        raise ConfigError(f"{path}: expected one of {', '.join(choices)}, got {value!r}")
+    return str(value)
+
+
+# Keys that only one kind takes: anywhere else they are a mistake worth naming.
+KIND_ONLY_KEYS = {
+    "map": ("embedding",),
+    "plugin": ("plugin",),
+    "weights": ("plugin",),
+    "options": ("plugin",),
+}
+
+
 @dataclass(frozen=True)
 class ModalityConfig:
     """One modality: its input kind and the kind's preprocessing parameters."""
 
     kind: str
-    dim: int | None = None  # vector: input length
+    dim: int | None = None  # vector, embedding: input length
     hidden: int = 256  # width of the trainable layers before the projection
     conv_width: int = 32  # image, audio: channels of the first conv block (the second has 2x)
     image_size: int = 32  # image: inputs are resized to image_size x image_size
@@ -63,9 +91,15 @@ class ModalityConfig:
     max_seconds: float = 1.0  # audio: clips are cropped or zero-padded to this length
     n_mels: int = 40  # audio
     hop_ms: float = 10.0  # audio: spectrogram frame step
+    map: str = "none"  # embedding: "linear" learns a map from dim to latent_dim
+    plugin: str | None = None  # plugin: the entry point's name in the group hclip.encoders
+    weights: str | None = None  # plugin: the tower's safetensors file
+    options: dict[str, Any] = field(default_factory=dict)  # plugin: checked by the plugin
 
     @staticmethod
-    def from_dict(obj: Any, path: str) -> ModalityConfig:
+    def from_dict(obj: Any, path: str, base_dir: Path | None = None) -> ModalityConfig:
+        """`base_dir` resolves a relative plugin `weights` path (the config file's directory,
+        or the model directory); without it the path is kept as written and not checked."""
         if not isinstance(obj, dict):
             raise ConfigError(f"{path}: expected an object with a 'kind'")
         allowed = {f for f in ModalityConfig.__dataclass_fields__}
@@ -75,11 +109,18 @@ class ModalityConfig:
             raise ConfigError(
                 f"{path}.kind: unknown encoder kind {kind!r} (known: {', '.join(ENCODER_KINDS)})"
             )
+        for key, kinds in KIND_ONLY_KEYS.items():
+            if key in obj and kind not in kinds:
+                raise ConfigError(f"{path}.{key}: only {' and '.join(kinds)} modalities take it")
         kw: dict[str, Any] = {"kind": kind}
-        if kind == "vector":
+        if kind in ("vector", "embedding"):
             kw["dim"] = _int(_req(obj, "dim", path + "."), f"{path}.dim")
         elif "dim" in obj:
-            raise ConfigError(f"{path}.dim: only 'vector' modalities take a dim")
+            raise ConfigError(f"{path}.dim: only 'vector' and 'embedding' modalities take a dim")
+        if kind == "embedding":
+            kw["map"] = _choice(obj.get("map", "none"), EMBEDDING_MAPS, f"{path}.map")
+        if kind == "plugin":
+            kw.update(_plugin_fields(obj, path, base_dir))
         for name in ("hidden", "image_size", "sample_rate", "n_mels", "conv_width"):
             if name in obj:
                 low = 8 if name in ("image_size", "sample_rate", "n_mels") else 1
@@ -94,19 +135,54 @@ class ModalityConfig:
         return ModalityConfig(**kw)
 
     def to_dict(self) -> dict[str, Any]:
+        # Only the kind's own fields, defaults left out: a config written before a field
+        # existed reads back, and hashes (checkpoint.fingerprint), exactly as it did.
         defaults = ModalityConfig(kind=self.kind)
         relevant = {
             "vector": ("dim", "hidden"),
+            "embedding": ("dim", "map"),
             "text": ("hidden",),
             "image": ("hidden", "image_size", "channels", "conv_width"),
             "audio": ("hidden", "sample_rate", "max_seconds", "n_mels", "hop_ms", "conv_width"),
+            "plugin": ("plugin", "weights", "options", "hidden"),
         }[self.kind]
+        always = ("dim", "plugin", "weights", "options")
         out: dict[str, Any] = {"kind": self.kind}
         for name in relevant:
             value = getattr(self, name)
-            if name == "dim" or value != getattr(defaults, name):
-                out[name] = value
+            if name in always or value != getattr(defaults, name):
+                out[name] = dict(value) if isinstance(value, dict) else value
         return out
+
+
+def _plugin_fields(obj: dict[str, Any], path: str, base_dir: Path | None) -> dict[str, Any]:
+    """`plugin` names an installed entry point, `weights` a file, `options` what it checks."""
+    from models.plugins import PluginError, find_plugin
+
+    name = _req(obj, "plugin", path + ".")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}.plugin: expected the name of an installed encoder plugin")
+    try:
+        plugin = find_plugin(name)
+    except PluginError as exc:
+        raise ConfigError(f"{path}.plugin: {exc}") from None
+    weights = _req(obj, "weights", path + ".")
+    if not isinstance(weights, str) or not weights:
+        raise ConfigError(f"{path}.weights: expected the path of a safetensors file")
+    if base_dir is not None and not Path(weights).is_absolute():
+        weights = str((base_dir / weights).resolve())
+    if Path(weights).is_absolute() and not Path(weights).is_file():
+        raise ConfigError(f"{path}.weights: plugin {name!r} weights file not found: {weights}")
+    options = obj.get("options", {})
+    if not isinstance(options, dict):
+        raise ConfigError(f"{path}.options: expected an object")
+    try:
+        options = plugin.check_options(dict(options))
+    except ConfigError as exc:  # the plugin names the option; we name where it sits
+        raise ConfigError(f"{path}.options.{exc}") from None
+    except Exception as exc:  # a plugin's own bug still gets a message naming the field
+        raise ConfigError(f"{path}.options: plugin {name!r} refused them ({exc!r})") from None
+    return {"plugin": name, "weights": weights, "options": options}
 
 
 @dataclass(frozen=True)
@@ -122,7 +198,7 @@ class ModelConfig:
         return sorted(self.modalities)
 
     @staticmethod
-    def from_dict(obj: dict[str, Any]) -> ModelConfig:
+    def from_dict(obj: dict[str, Any], base_dir: Path | None = None) -> ModelConfig:
         mods = _req(obj, "modalities", "")
         if not isinstance(mods, dict) or len(mods) < 2:
             raise ConfigError("modalities: need an object with at least 2 modalities")
@@ -130,13 +206,20 @@ class ModelConfig:
         for name, spec in mods.items():
             if not isinstance(name, str) or not name.isidentifier() or "+" in name:
                 raise ConfigError(f"modalities.{name}: a modality name must be an identifier")
-            parsed[name] = ModalityConfig.from_dict(spec, f"modalities.{name}")
+            parsed[name] = ModalityConfig.from_dict(spec, f"modalities.{name}", base_dir)
         head = obj.get("head", "hclip")
         if head not in HEADS:
             raise ConfigError(f"head: unknown head {head!r} (known: {', '.join(HEADS)})")
         if head == "clip" and len(parsed) != 2:
             raise ConfigError(f"head: 'clip' needs exactly 2 modalities, got {len(parsed)}")
         latent = _int(obj.get("latent_dim", 64), "latent_dim")
+        for name, m in parsed.items():
+            if m.kind == "embedding" and m.map == "none" and m.dim != latent:
+                raise ConfigError(
+                    f"modalities.{name}.dim: an embedding without a map is used as it is, so its "
+                    f'dim must equal latent_dim ({latent}), got {m.dim}; set "map": "linear" '
+                    f"to learn a linear map from {m.dim} to {latent}"
+                )
         return ModelConfig(modalities=parsed, head=head, latent_dim=latent)
 
     def to_dict(self) -> dict[str, Any]:
@@ -158,6 +241,12 @@ class TrainConfig:
     loss: str = "full_conditional"  # sum_of_pairs/clip heads may also use "pairwise"
     log_every: int = 50
     num_threads: int = 0  # 0: let torch decide
+    device: str = "auto"  # auto: cuda when torch sees one, else cpu
+    precision: str = "auto"  # auto: bf16 autocast where the device supports it (not on cpu)
+    num_workers: int = 0  # DataLoader worker processes that read and decode records
+    checkpoint_every: int = 0  # steps between resumable checkpoints; 0: none
+    queue_size: int = 0  # negatives kept from earlier batches (full_conditional loss); 0: none
+    queue_momentum: float = 0.999  # with a queue: EMA rate of the candidates' encoders (MoCo)
 
     @staticmethod
     def from_dict(obj: Any) -> TrainConfig:
@@ -180,6 +269,14 @@ class TrainConfig:
             loss=loss,
             log_every=_int(obj.get("log_every", 50), "train.log_every"),
             num_threads=_int(obj.get("num_threads", 0), "train.num_threads", minimum=0),
+            device=_choice(obj.get("device", "auto"), DEVICES, "train.device"),
+            precision=_choice(obj.get("precision", "auto"), PRECISIONS, "train.precision"),
+            num_workers=_int(obj.get("num_workers", 0), "train.num_workers", minimum=0),
+            checkpoint_every=_int(
+                obj.get("checkpoint_every", 0), "train.checkpoint_every", minimum=0
+            ),
+            queue_size=_int(obj.get("queue_size", 0), "train.queue_size", minimum=0),
+            queue_momentum=_fraction(obj.get("queue_momentum", 0.999), "train.queue_momentum"),
         )
 
 
@@ -200,11 +297,16 @@ class RunConfig:
         if not isinstance(obj, dict):
             raise ConfigError("config: expected a JSON object at the top level")
         _check_keys(obj, {"modalities", "head", "latent_dim", "train"}, "")
-        model = ModelConfig.from_dict(obj)
+        model = ModelConfig.from_dict(obj, base_dir)
         train = TrainConfig.from_dict(_req(obj, "train", ""))
         if train.loss == "pairwise" and model.head not in ("sum_of_pairs", "clip"):
             raise ConfigError(
                 f"train.loss: 'pairwise' applies to sum_of_pairs and clip heads, not {model.head!r}"
+            )
+        if train.queue_size and train.loss != "full_conditional":
+            raise ConfigError(
+                f"train.queue_size: the negatives queue serves the full_conditional loss, "
+                f"not {train.loss!r}"
             )
         return RunConfig(model=model, train=train, base_dir=base_dir)
 

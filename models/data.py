@@ -1,4 +1,6 @@
-"""In-memory training tuples: decoded inputs per modality plus duplicate-detection keys."""
+"""Training tuples: what a training source gives (decoded inputs per modality plus
+duplicate-detection keys), and the in-memory source. models.lazy_records reads them from a
+file on demand instead."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,6 +21,30 @@ def input_key(item: Any) -> int:
     """A stable 63-bit key of a decoded input: equal inputs, equal keys."""
     raw = item.encode("utf-8") if isinstance(item, str) else item.numpy().tobytes()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+
+
+class TupleSource(Protocol):
+    """Row-aligned training tuples: TupleDataset in memory, RecordsFile from disk."""
+
+    def __len__(self) -> int: ...
+
+    def batch(
+        self, index: Sequence[int]
+    ) -> tuple[dict[str, list[Any]], dict[str, torch.Tensor]]: ...
+
+
+def check_modalities(obj: dict[str, Any], cfg: ModelConfig, line: int, rid: str) -> None:
+    """A training record names only the model's modalities, and every one of them."""
+    unknown = [k for k in obj if k not in cfg.modalities and k not in ("id", "payload")]
+    if unknown:
+        raise RecordError(
+            f"unknown modality {unknown[0]!r} (model has: {', '.join(cfg.names)})", line, rid
+        )
+    for name in cfg.names:
+        if name not in obj:
+            raise RecordError(
+                f"training records need every modality; {name!r} is missing", line, rid
+            )
 
 
 @dataclass
@@ -49,7 +75,7 @@ class TupleDataset:
 
 
 def load_training_records(path: Path, cfg: ModelConfig) -> TupleDataset:
-    """Decode a records file for training: every record must carry every modality."""
+    """Decode a whole records file into memory (small sets; `hclip train` reads lazily)."""
     items: dict[str, list[Any]] = {n: [] for n in cfg.names}
     seen: dict[str, int] = {}
     for line, obj in iter_jsonl(path):
@@ -57,16 +83,8 @@ def load_training_records(path: Path, cfg: ModelConfig) -> TupleDataset:
         if rid in seen:
             raise RecordError(f"duplicate id, first seen on line {seen[rid]}", line, rid)
         seen[rid] = line
-        unknown = [k for k in obj if k not in cfg.modalities and k not in ("id", "payload")]
-        if unknown:
-            raise RecordError(
-                f"unknown modality {unknown[0]!r} (model has: {', '.join(cfg.names)})", line, rid
-            )
+        check_modalities(obj, cfg, line, rid)
         for name in cfg.names:
-            if name not in obj:
-                raise RecordError(
-                    f"training records need every modality; {name!r} is missing", line, rid
-                )
             try:
                 items[name].append(decode(obj[name], cfg.modalities[name], path.parent))
             except InputError as exc:

@@ -1,7 +1,8 @@
 """Encoders g_i: one per input kind, each ending in a projection to the latent d and L2 norm.
 
-An encoder takes a list of decoded inputs (models.inputs.decode) through `collate` and returns
-(B, d) unit vectors from `forward`.
+An encoder takes a list of decoded inputs (models.inputs.decode) through `collate` (its frozen
+featurizer, models.featurizers) and returns (B, d) unit vectors from `forward` (its trainable
+part). Training runs the two apart: `collate` where records are decoded, `forward` on the device.
 """
 
 from __future__ import annotations
@@ -15,19 +16,36 @@ from torch import nn
 
 from models.audio import LogMel
 from models.config import ModalityConfig
-from models.text_backbone import BACKBONE_DIM, shared_backbone
+from models.featurizers import Featurizer, PluginFeatures, TextFeatures, stack
+from models.text_backbone import BACKBONE_DIM
 
 
 class Encoder(nn.Module, ABC):
-    """Base: a trunk producing features, then the projection and the L2 normalisation."""
+    """Base: `collate` runs the frozen featurizer, `forward` the trainable part to (B, d)."""
 
-    def __init__(self, cfg: ModalityConfig, features: int, latent_dim: int):
+    def __init__(self, cfg: ModalityConfig):
         super().__init__()
         self.cfg = cfg
-        self.proj = nn.Linear(features, latent_dim)
+        # A plain attribute, not a submodule: frozen weights never enter a checkpoint.
+        self.featurizer: Featurizer = stack
 
     def collate(self, items: list[Any]) -> torch.Tensor:
-        return torch.stack(items)
+        return self.featurizer(list(items))
+
+    @abstractmethod
+    def forward(self, batch: Any) -> torch.Tensor:
+        """A collated batch -> (B, d) unit vectors."""
+
+    def encode(self, items: list[Any]) -> torch.Tensor:
+        return self(self.collate(items))
+
+
+class ProjectedEncoder(Encoder):
+    """A trunk producing features, then the projection and the L2 normalisation."""
+
+    def __init__(self, cfg: ModalityConfig, features: int, latent_dim: int):
+        super().__init__(cfg)
+        self.proj = nn.Linear(features, latent_dim)
 
     @abstractmethod
     def features(self, batch: Any) -> torch.Tensor:
@@ -37,11 +55,8 @@ class Encoder(nn.Module, ABC):
         z = self.proj(self.features(batch))  # (B, d)
         return nn.functional.normalize(z, dim=-1)
 
-    def encode(self, items: list[Any]) -> torch.Tensor:
-        return self(self.collate(items))
 
-
-class VectorEncoder(Encoder):
+class VectorEncoder(ProjectedEncoder):
     """An MLP over fixed-length features, for users who bring their own backbone's outputs."""
 
     def __init__(self, cfg: ModalityConfig, latent_dim: int):
@@ -58,17 +73,51 @@ class VectorEncoder(Encoder):
         return self.mlp(batch)  # (B, hidden)
 
 
-class TextEncoder(Encoder):
+class EmbeddingEncoder(Encoder):
+    """Embeddings from the user's own tower, used as they are: L2-normalised and, only when the
+    config asks (`"map": "linear"`), sent through a learned linear map to the latent d."""
+
+    def __init__(self, cfg: ModalityConfig, latent_dim: int):
+        super().__init__(cfg)
+        assert cfg.dim is not None
+        self.linear: nn.Linear | None = None
+        if cfg.map == "linear":
+            self.linear = nn.Linear(cfg.dim, latent_dim, bias=False)
+            # Start from the tower's own geometry: the identity when the widths agree, else an
+            # orthogonal map, which keeps inner products as far as a change of width allows.
+            with torch.no_grad():
+                if cfg.dim == latent_dim:
+                    self.linear.weight.copy_(torch.eye(latent_dim))
+                else:
+                    nn.init.orthogonal_(self.linear.weight)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.normalize(batch, dim=-1)  # (B, dim)
+        if self.linear is not None:
+            x = nn.functional.normalize(self.linear(x), dim=-1)  # (B, d)
+        return x
+
+
+class TextEncoder(ProjectedEncoder):
     """Frozen MiniLM sentence embeddings followed by a trainable MLP head."""
 
     def __init__(self, cfg: ModalityConfig, latent_dim: int):
         super().__init__(cfg, cfg.hidden, latent_dim)
-        # Held outside the module tree so its weights never enter a checkpoint or an optimiser.
-        self.backbone = shared_backbone()
+        self.featurizer = TextFeatures()  # (B, 384), cached per sentence
         self.head = nn.Sequential(nn.Linear(BACKBONE_DIM, cfg.hidden), nn.GELU())
 
-    def collate(self, items: list[Any]) -> torch.Tensor:
-        return self.backbone.embed(list(items))  # (B, 384)
+    def features(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.head(batch)
+
+
+class PluginEncoder(ProjectedEncoder):
+    """A plugin's frozen tower (models.plugins) followed by a trainable MLP head."""
+
+    def __init__(self, cfg: ModalityConfig, latent_dim: int):
+        super().__init__(cfg, cfg.hidden, latent_dim)
+        features = PluginFeatures(cfg)
+        self.featurizer = features  # (B, feature_dim)
+        self.head = nn.Sequential(nn.Linear(features.dim, cfg.hidden), nn.GELU())
 
     def features(self, batch: torch.Tensor) -> torch.Tensor:
         return self.head(batch)
@@ -96,7 +145,7 @@ def _cnn(c_in: int, width: int, hidden: int) -> nn.Sequential:
     )
 
 
-class ImageEncoder(Encoder):
+class ImageEncoder(ProjectedEncoder):
     """A small CNN for small images (digits, thumbnails): two conv blocks, pooled to 4x4."""
 
     def __init__(self, cfg: ModalityConfig, latent_dim: int):
@@ -107,7 +156,7 @@ class ImageEncoder(Encoder):
         return self.cnn(batch)  # (B, hidden)
 
 
-class AudioEncoder(Encoder):
+class AudioEncoder(ProjectedEncoder):
     """Log-mel spectrogram of the waveform, then the same small CNN as for images."""
 
     def __init__(self, cfg: ModalityConfig, latent_dim: int):
@@ -121,9 +170,11 @@ class AudioEncoder(Encoder):
 
 ENCODERS: dict[str, Callable[[ModalityConfig, int], Encoder]] = {
     "vector": VectorEncoder,
+    "embedding": EmbeddingEncoder,
     "text": TextEncoder,
     "image": ImageEncoder,
     "audio": AudioEncoder,
+    "plugin": PluginEncoder,
 }
 
 

@@ -101,7 +101,8 @@ class Head(nn.Module, ABC):
     def query_constant(
         self, embs: Mapping[str, torch.Tensor], query: Sequence[str]
     ) -> torch.Tensor:
-        return torch.zeros(embs[query[0]].shape[0], dtype=embs[query[0]].dtype)
+        first = embs[query[0]]
+        return torch.zeros(first.shape[0], dtype=first.dtype, device=first.device)
 
     def public_params(self) -> dict[str, object]:
         """What a client needs to recompute a score from stored embeddings (GET /v1/info)."""
@@ -163,14 +164,14 @@ class SumOfPairsHead(Head):
     @staticmethod
     def _pairs_inside(embs: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor:
         first = embs[names[0]]
-        total = torch.zeros(first.shape[0], dtype=first.dtype)
+        total = torch.zeros(first.shape[0], dtype=first.dtype, device=first.device)
         for a, b in combinations(names, 2):
             total = total + (embs[a] * embs[b]).sum(-1)
         return total  # (B,)
 
     def query_factor(self, embs: Mapping[str, torch.Tensor], query: Sequence[str]) -> torch.Tensor:
         summed = torch.stack([embs[n] for n in query]).sum(0)  # (B, d)
-        ones = torch.ones(summed.shape[0], 1, dtype=summed.dtype)
+        ones = torch.ones(summed.shape[0], 1, dtype=summed.dtype, device=summed.device)
         return self.scale * torch.cat([summed, ones], dim=-1)  # (B, d + 1)
 
     def record_factor(

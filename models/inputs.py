@@ -1,9 +1,12 @@
 """Decoding raw inputs (DESIGN §3) into the tensors the encoders take.
 
 Raw inputs are what records and queries carry: a string for `text`, a file path or a base64
-`data:` URI for `image` and `audio`, a list of floats for `vector`. Every failure raises
+`data:` URI for `image` and `audio`, a list of floats for `vector` and `embedding`, and whatever
+a plugin's own `decode` takes for `plugin`. Every failure raises
 InputError with a message that says what is wrong with the value; callers add the record or
-field it came from. A value over one of the `InputLimits` raises InputTooLarge, and each limit
+field it came from. An input over a size limit of `InputLimits` (bytes, pixels, seconds,
+sample rate) raises InputTooLarge; a value over a limit a schema can state (a text's length, a
+number's magnitude) is an InputError that names its limit. Each limit
 is checked before the expensive part: media bytes before base64 decoding, image pixels from the
 header before decompression, audio duration and sample rate from the WAV header before any
 sample is read. Decoders of untrusted bytes may fail in ways their libraries do not document,
@@ -48,6 +51,7 @@ class InputLimits:
     min_sample_rate: int = 1000
     max_sample_rate: int = 384_000
     max_text_chars: int = 100_000
+    max_abs_value: float = FLOAT32_MAX  # a number in a vector or an embedding
 
 
 DEFAULT_LIMITS = InputLimits()
@@ -97,33 +101,80 @@ def _read_bytes(value: Any, base_dir: Path | None, what: str, limits: InputLimit
     return data
 
 
-def decode_vector(value: Any, cfg: ModalityConfig) -> torch.Tensor:
+def read_media(
+    value: Any, base_dir: Path | None, what: str, limits: InputLimits = DEFAULT_LIMITS
+) -> bytes:
+    """Bytes of a base64 data: URI, or of a file path relative to `base_dir`, for plugins.
+
+    Without a base_dir (a query in the service) a file path is refused: a client must never make
+    the server read a file it names. Records files always pass their directory."""
+    if isinstance(value, str) and not value.startswith("data:") and base_dir is None:
+        raise InputError(f"{what} must be a base64 data: URI here (file paths come from records)")
+    return _read_bytes(value, base_dir, what, limits)
+
+
+def decode_vector(
+    value: Any, cfg: ModalityConfig, what: str = "vector", limits: InputLimits | None = None
+) -> torch.Tensor:
     if not isinstance(value, list | tuple | np.ndarray):
-        raise InputError(f"vector must be a list of numbers, got {type(value).__name__}")
+        raise InputError(f"{what} must be a list of numbers, got {type(value).__name__}")
     # A JSON true is not the number 1: numpy would take it as one silently.
     if any(isinstance(v, bool | np.bool_) for v in value):
-        raise InputError("vector must be a list of numbers, got a boolean")
+        raise InputError(f"{what} must be a list of numbers, got a boolean")
     try:
         arr = np.asarray(value, dtype=np.float64)
     except OverflowError:
-        raise InputError("vector holds a number too large for float32") from None
+        raise InputError(f"{what} holds a number too large for float32") from None
     except (TypeError, ValueError):
-        raise InputError("vector must be a list of numbers") from None
+        raise InputError(f"{what} must be a list of numbers") from None
     if arr.ndim != 1 or arr.shape[0] != cfg.dim:
         got = arr.shape[0] if arr.ndim == 1 else f"shape {arr.shape}"
-        raise InputError(f"vector must have length {cfg.dim}, got {got}")
+        raise InputError(f"{what} must have length {cfg.dim}, got {got}")
     if not np.isfinite(arr).all():
-        raise InputError("vector holds NaN or infinite values")
+        raise InputError(f"{what} holds NaN or infinite values")
     if arr.size and float(np.abs(arr).max()) > FLOAT32_MAX:
-        raise InputError("vector holds a number too large for float32 (|x| > 3.4e38)")
+        raise InputError(f"{what} holds a number too large for float32 (|x| > 3.4e38)")
+    bound = (limits or DEFAULT_LIMITS).max_abs_value
+    if arr.size and float(np.abs(arr).max()) > bound:
+        raise InputError(f"{what} holds a number beyond +-{bound:g} (max_abs_value)")
     return torch.from_numpy(arr.astype(np.float32))  # (dim,)
+
+
+def decode_embedding(
+    value: Any, cfg: ModalityConfig, limits: InputLimits | None = None
+) -> torch.Tensor:
+    """A vector from the user's own tower; the encoder L2-normalises it, so it needs a direction."""
+    x = decode_vector(value, cfg, "embedding", limits)
+    if not bool(x.any()):
+        raise InputError("embedding is all zeros: it has no direction to normalise")
+    return x  # (dim,)
+
+
+def decode_plugin(
+    value: Any, cfg: ModalityConfig, base_dir: Path | None, limits: InputLimits
+) -> Any:
+    from models.plugins import PluginError, plugin
+
+    assert cfg.plugin is not None
+    try:
+        found = plugin(cfg.plugin)
+    except PluginError as exc:
+        raise InputError(str(exc)) from None
+    try:
+        return found.decode(value, cfg.options, base_dir, limits)
+    except InputError:
+        raise
+    except Exception as exc:  # someone else's decoder on untrusted input: one bad value
+        raise InputError(
+            f"plugin {cfg.plugin!r} could not decode the value ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 def decode_text(value: Any, limits: InputLimits = DEFAULT_LIMITS) -> str:
     if not isinstance(value, str):
         raise InputError(f"text must be a string, got {type(value).__name__}")
     if len(value) > limits.max_text_chars:
-        raise InputTooLarge(
+        raise InputError(
             f"text is {len(value)} characters, over the limit of {limits.max_text_chars} "
             "(max_text_chars)"
         )
@@ -271,11 +322,15 @@ def decode(
     if value is None:
         raise InputError("value is null")
     if cfg.kind == "vector":
-        return decode_vector(value, cfg)
+        return decode_vector(value, cfg, limits=limits)
+    if cfg.kind == "embedding":
+        return decode_embedding(value, cfg, limits)
     if cfg.kind == "text":
         return decode_text(value, limits)
     if cfg.kind == "image":
         return decode_image(value, cfg, base_dir, limits)
     if cfg.kind == "audio":
         return decode_audio(value, cfg, base_dir, limits)
+    if cfg.kind == "plugin":
+        return decode_plugin(value, cfg, base_dir, limits)
     raise InputError(f"unknown encoder kind {cfg.kind!r}")

@@ -1,4 +1,4 @@
-"""`hclip train --config CONFIG --out MODEL_DIR`."""
+"""`hclip train --config CONFIG --out MODEL_DIR [--resume]`."""
 
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from pathlib import Path
 
 from models.checkpoint import CheckpointError, prepare_out_dir, save_model
 from models.config import ConfigError, RunConfig
-from models.data import load_training_records
+from models.lazy_records import RecordsFile
+from models.plugins import PluginError
 from models.records import RecordError
+from models.train_checkpoint import CheckpointStore, default_checkpoint_dir
 from models.training import train_model
 
 log = logging.getLogger(__name__)
 
-USER_ERRORS = (ConfigError, RecordError, CheckpointError)
+USER_ERRORS = (ConfigError, RecordError, CheckpointError, PluginError)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,19 +26,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="model directory to write")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint that train.checkpoint_every wrote",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="where checkpoints go (default: OUT.checkpoints beside --out; removed on success)",
+    )
+
+
+def _checkpoints(args: argparse.Namespace, every: int) -> CheckpointStore | None:
+    """The run's checkpoint store, after refusing to mix two runs' checkpoints."""
+    store = CheckpointStore(args.checkpoint_dir or default_checkpoint_dir(args.out))
+    if store.root.resolve().is_relative_to(args.out.resolve()):
+        raise CheckpointError(
+            f"--checkpoint-dir {store.root}: must lie outside --out, which receives only the "
+            "finished model"
+        )
+    if args.resume:
+        if store.latest() is None:
+            raise CheckpointError(f"--resume: no checkpoint in {store.root} to resume from")
+        return store
+    if store.latest() is not None:
+        if not args.overwrite:
+            raise CheckpointError(
+                f"{store.root}: holds checkpoints of an earlier run; pass --resume to continue "
+                "it or --overwrite to start afresh"
+            )
+        store.clear()
+    return store if every else None
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = RunConfig.load(args.config)
     prepare_out_dir(args.out, args.overwrite)  # fail before the expensive part
-    log.info("reading training records from %s", cfg.records_path)
-    data = load_training_records(cfg.records_path, cfg.model)
+    store = _checkpoints(args, cfg.train.checkpoint_every)
+    log.info("indexing training records in %s", cfg.records_path)
+    data = RecordsFile.scan(cfg.records_path, cfg.model)
     log.info(
         "%d training tuples, modalities %s, head %s", len(data), cfg.model.names, cfg.model.head
     )
-    result = train_model(cfg.model, cfg.train, data, progress=not args.quiet)
+    result = train_model(
+        cfg.model,
+        cfg.train,
+        data,
+        progress=not args.quiet,
+        checkpoints=store,
+        resume=args.resume,
+    )
     extra = {"train": cfg.to_dict()["train"], "training": result.summary()}
     out = save_model(result.model, args.out, extra=extra, overwrite=args.overwrite)
+    if store is not None:
+        store.clear()  # the model is safely in place: nothing is left to resume
     print(f"model written to {out}")
     return 0
 

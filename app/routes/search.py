@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass
 from typing import TypeVar, cast
 
 import numpy as np
@@ -54,32 +55,44 @@ async def gather_all(aws: Iterable[Awaitable[T]]) -> list[T]:
     return cast(list[T], results)
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A search request after the checks that need the served version."""
+
+    view: str
+    k: int
+    filter: dict[str, object] | None
+    effort: int | None
+    given: dict[str, torch.Tensor]  # the request's embeddings, checked
+
+
 async def _query_vector(
     state: AppState,
     serving: ServingVersion,
     body: SearchRequest,
-    modalities: tuple[str, ...],
+    checked: Checked,
     digests: dict[str, str],
 ) -> np.ndarray:
     s = state.settings
-    d = serving.model.cfg.latent_dim
-    given = {m: check_embedding(f"embeddings.{m}", v, d) for m, v in body.embeddings.items()}
     raw = await gather_all(
         encode_raw(
             serving, m, v, digests[m], state.cache, s.cache_prefix, s.cache_ttl_s, state.metrics
         )
         for m, v in body.query.items()
     )
-    embs = {**given, **dict(zip(body.query, raw, strict=True))}
+    embs = {**checked.given, **dict(zip(body.query, raw, strict=True))}
+    modalities = tuple(checked.view.split("+"))
     with torch.no_grad():
         q = serving.model.head.query_factor({m: e[None] for m, e in embs.items()}, modalities)
-    return q[0].numpy().astype(np.float32)  # (D,)
+    xq = q[0].numpy().astype(np.float32)  # (D,)
+    if not np.isfinite(xq).all():
+        field = "embeddings" if body.embeddings else "query"
+        raise InvalidInput(f"{field}: the query's vector is not finite (values too large?)")
+    return xq
 
 
-def _checked(
-    state: AppState, serving: ServingVersion, body: SearchRequest
-) -> tuple[str, int, dict[str, object] | None, int | None]:
-    """What a search needs that the body alone cannot check: (view, k, filter, effort)."""
+def _checked(state: AppState, serving: ServingVersion, body: SearchRequest) -> Checked:
+    """Everything about a request that can be refused before any work is queued."""
     s = state.settings
     k = s.default_k if body.k is None else body.k
     if k > s.max_k:
@@ -90,41 +103,45 @@ def _checked(
     if view is None:
         views = ", ".join(serving.searchers)
         raise Unanswerable(f"no index for query modalities {view_name!r} (views: {views})")
+    limits = s.input_limits()
     for m, v in body.query.items():
-        check_raw(serving, m, v, f"query.{m}")
+        check_raw(serving, m, v, f"query.{m}", limits)
+    d = serving.model.cfg.latent_dim
+    given = {
+        m: check_embedding(f"embeddings.{m}", v, d, s.max_abs_value)
+        for m, v in body.embeddings.items()
+    }
     flt = body.filter_dict()
     if flt is not None:
         try:
             serving.index.records.fields.validate(flt)
         except FilterError as exc:
             raise InvalidInput(str(exc)) from None
-    effort = None
-    if body.effort is not None and not view.spec.exact:
-        if body.effort > s.max_effort:
-            raise InvalidInput(
-                f"effort: at most {s.max_effort} (HCLIP_MAX_EFFORT), got {body.effort}"
-            )
-        effort = body.effort
-    return view_name, k, flt, effort
+    if body.effort is not None and body.effort > s.max_effort:
+        raise InvalidInput(f"effort: at most {s.max_effort} (HCLIP_MAX_EFFORT), got {body.effort}")
+    effort = None if view.spec.exact else body.effort  # exact views have no effort to set
+    return Checked(view_name, k, flt, effort, given)
 
 
-async def run_search(state: AppState, serving: ServingVersion, body: SearchRequest) -> bytes:
+async def run_search(
+    state: AppState, serving: ServingVersion, body: SearchRequest, checked: Checked | None = None
+) -> bytes:
     """One search, answered as the response body's bytes (errors raise ApiError)."""
     s = state.settings
-    view_name, k, flt, effort = _checked(state, serving, body)
+    c = checked or _checked(state, serving, body)
+    view_name = c.view
     async with deadline(s.request_timeout_s, state.metrics):
         # Each raw input is hashed once: its digest keys both caches.
         digests = {m: await input_digest(v) for m, v in body.query.items()}
-        request = {"q": digests, "e": body.embeddings, "k": k, "f": flt, "x": effort}
+        request = {"q": digests, "e": body.embeddings, "k": c.k, "f": c.filter, "x": c.effort}
         key = f"{s.cache_prefix}:res:{serving.version}:{digest(request)}"
         hit = await state.cache.get(key)
         if hit is not None:
             state.metrics.result_hits.inc()
             return b'{"cached":true,' + hit[1:]
         state.metrics.result_misses.inc()
-        modalities = tuple(view_name.split("+"))
-        xq = await _query_vector(state, serving, body, modalities, digests)
-        item = SearchItem(xq, k, flt, effort)
+        xq = await _query_vector(state, serving, body, c, digests)
+        item = SearchItem(xq, c.k, c.filter, c.effort)
         scores, rows = await serving.searchers[view_name].submit(item)
     records = serving.index.records
     # Payloads go into the response as the JSON bytes the record store holds, unparsed.
@@ -135,7 +152,7 @@ async def run_search(state: AppState, serving: ServingVersion, body: SearchReque
     ]
     out: dict[str, object] = {"index_version": serving.version, "view": view_name}
     if not serving.index.views[view_name].spec.exact:
-        out["effort"] = effort or serving.index.views[view_name].default_effort
+        out["effort"] = c.effort or serving.index.views[view_name].default_effort
     out["results"] = results
     encoded = orjson.dumps(out)
     await state.cache.set(key, encoded, s.cache_ttl_s)
@@ -166,16 +183,26 @@ async def search_batch(body: BatchSearchRequest, state: State, serving: Serving)
         raise InvalidInput(
             f"queries: at most {limit} (HCLIP_MAX_BATCH_QUERIES), got {len(body.queries)}"
         )
-
-    async def one(q: SearchRequest) -> bytes:
+    # A query that fails validation (or that no view can answer) refuses the whole batch, as
+    # any body that breaks the schema does; what goes wrong while a valid query runs
+    # (undecodable media, a full queue, the deadline) is that query's own error, in its place.
+    checked: list[Checked] = []
+    for i, q in enumerate(body.queries):
         try:
-            return await run_search(state, serving, q)
+            checked.append(_checked(state, serving, q))
+        except ApiError as exc:
+            exc.message = f"queries[{i}].{exc.message}"
+            raise
+
+    async def one(q: SearchRequest, c: Checked) -> bytes:
+        try:
+            return await run_search(state, serving, q, c)
         except ApiError as exc:
             err = {"status": exc.status, "error": exc.message, "error_type": exc.error_type}
             return orjson.dumps(err)
 
     # Started together, the queries meet in the encoders' and the views' batchers.
-    parts = await asyncio.gather(*(one(q) for q in body.queries))
+    parts = await asyncio.gather(*(one(q, c) for q, c in zip(body.queries, checked, strict=True)))
     return Response(b'{"results":[' + b",".join(parts) + b"]}", media_type="application/json")
 
 
@@ -197,8 +224,9 @@ async def embed(body: EmbedRequest, state: State, serving: Serving) -> JSONRespo
             f"inputs: at most {limit} inputs (HCLIP_MAX_EMBED_INPUTS), got {len(body.inputs)}"
         )
     fields = [f"inputs[{i}]" for i in range(len(body.inputs))]
+    limits = state.settings.input_limits()
     for value, field in zip(body.inputs, fields, strict=True):
-        check_raw(serving, body.modality, value, field)
+        check_raw(serving, body.modality, value, field, limits)
     async with deadline(state.settings.request_timeout_s, state.metrics):
         embs = await gather_all(
             encode_one(serving, body.modality, v, f)

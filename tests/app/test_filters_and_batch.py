@@ -133,7 +133,6 @@ def test_a_batch_equals_the_same_searches_one_by_one(filtered) -> None:
     root, _, rows = filtered
     queries = [{"query": {"a": rows[i]["a"]}, "k": 3 + i % 4} for i in range(10)] + [
         {"query": {"b": rows[3]["b"], "c": rows[3]["c"]}, "filter": {"flag": False}},
-        {"query": {"smell": "roses"}},  # fails alone: its own error, in its place
         {"embeddings": {"a": [0.0] * 8}, "k": 2},
     ]
     with running(settings_for(root)) as one_by_one:
@@ -145,10 +144,6 @@ def test_a_batch_equals_the_same_searches_one_by_one(filtered) -> None:
         metrics = client.get("/metrics").text
     assert len(batch) == len(queries)
     for got, want in zip(batch, alone, strict=True):
-        if want.status_code != 200:
-            assert got["status"] == want.status_code == 422
-            assert got["error"] == want.json()["error"]
-            continue
         w = want.json()
         assert [h["id"] for h in got["results"]] == [h["id"] for h in w["results"]]
         assert np.allclose([h["score"] for h in got["results"]],
@@ -158,13 +153,37 @@ def test_a_batch_equals_the_same_searches_one_by_one(filtered) -> None:
     assert 'hclip_search_batch_size_bucket{le="1.0"}' in metrics
 
 
-def test_batch_limits(filtered) -> None:
+def test_batch_limits_and_an_invalid_query(filtered) -> None:
     root, _, rows = filtered
     with running(settings_for(root, max_batch_queries=3)) as client:
         too_many = [{"query": {"a": rows[0]["a"]}}] * 4
         r = client.post("/v1/search/batch", json={"queries": too_many})
         assert r.status_code == 422 and "HCLIP_MAX_BATCH_QUERIES" in r.json()["error"]
         assert client.post("/v1/search/batch", json={"queries": []}).status_code == 422
+        bad = [{"query": {"a": rows[0]["a"]}}, {"query": {"smell": "roses"}}]
+        r = client.post("/v1/search/batch", json={"queries": bad})
+        assert r.status_code == 422  # an invalid body, like any other
+        assert r.json()["error"].startswith("queries[1].query.smell: unknown modality")
+        every = {"query": {"a": rows[1]["a"], "b": rows[1]["b"], "c": rows[1]["c"]}}
+        r = client.post("/v1/search/batch", json={"queries": [bad[0], every]})
+        assert r.status_code == 400 and "queries[1].the query names every" in r.json()["error"]
+
+
+def test_an_undecodable_input_fails_only_its_query_in_a_batch(tmp_path: Path) -> None:
+    from tests.app.test_hostile import GOOD, MALFORMED, media_model
+    from tests.models.test_inputs import data_uri
+
+    root = tmp_path / "root"
+    rows = [{"id": f"g{i}", "image": GOOD["image"](i), "vec": [i, 1, 2]} for i in range(20)]
+    build_index(root, media_model(tmp_path, {"image", "vec"}), rows, tmp_path)
+    bad = data_uri("image/png", MALFORMED["image"]["not an image"]())
+    queries = [{"query": {"image": GOOD["image"](50)}}, {"query": {"image": bad}}]
+    with running(settings_for(root)) as client:
+        r = client.post("/v1/search/batch", json={"queries": queries})
+    assert r.status_code == 200, r.text
+    ok, failed = r.json()["results"]
+    assert len(ok["results"]) == 10 and failed["status"] == 422
+    assert failed["error"].startswith("query.image: image could not be decoded")
 
 
 def test_undeclared_filters_on_an_index_without_fields(vector_index) -> None:

@@ -75,16 +75,21 @@ GOOD = {
 MIME = {"image": "image/png", "audio": "audio/wav"}
 
 
-@pytest.fixture(scope="module")
-def media_root(tmp_path_factory) -> Path:
+def media_model(tmp: Path, names: set[str] | None = None) -> Path:
+    """An untrained model with (some of) MODS' modalities."""
     from models.checkpoint import save_model
     from models.config import ModelConfig
     from models.model import MultimodalModel
 
+    mods = {n: m for n, m in MODS.items() if names is None or n in names}
+    cfg = ModelConfig.from_dict({"modalities": mods, "latent_dim": 4})
+    return save_model(MultimodalModel(cfg), tmp / "m")
+
+
+@pytest.fixture(scope="module")
+def media_root(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("hostile")
-    model = save_model(
-        MultimodalModel(ModelConfig.from_dict({"modalities": MODS, "latent_dim": 4})), tmp / "m"
-    )
+    model = media_model(tmp)
     words = ["zero", "one", "two", "three", "four", "five"]
     rows = [
         {
@@ -158,7 +163,7 @@ LIMITED = {
         413,
         "min_sample_rate",
     ),
-    "text length": ({"query": {"text": "seven " * 2000}}, 413, "max_text_chars"),
+    "text length": ({"query": {"text": "seven " * 2000}}, 422, "max_text_chars"),
     "json depth": ("[" * 100 + "]" * 100, 422, "HCLIP_MAX_JSON_DEPTH"),
     "number magnitude": ('{"query": {"vec": [1e400, 0, 0]}}', 422, "not valid JSON"),
     "lone surrogate": ('{"query": {"text": "seven \\ud800"}}', 422, "not valid JSON"),

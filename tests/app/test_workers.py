@@ -46,14 +46,19 @@ def two_workers(tmp_path: Path, vector_index):
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
+    ready_workers: set[str] = set()
+
+    def both_ready() -> bool:
         try:
-            return fresh(url, "GET", "/readyz").status_code == 200
+            r = fresh(url, "GET", "/readyz")
         except httpx.HTTPError:
             return False
+        if r.status_code == 200:
+            ready_workers.add(r.headers["x-hclip-instance"])
+        return len(ready_workers) == 2
 
     try:
-        wait_until(ready, timeout=60)
+        wait_until(both_ready, timeout=60)
         yield url, root, model_dir, tmp_path
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -57,3 +57,25 @@ def test_tiny_run_writes_results_table_and_plot(tmp_path: Path) -> None:
                 assert 0.0 <= v["top1"] <= 1.0 and 0.1 < v["chance"] < 0.5
     assert "| hclip |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "expressivity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_queue_serves_the_full_conditional_runs(tmp_path: Path) -> None:
+    s = be.BenchSettings(
+        symbols=4,
+        train_size=64,
+        epochs=1,
+        batch_size=8,
+        queue_size=32,
+        queries=20,
+        gallery=20,
+        latent_dim=8,
+        hidden=8,
+        threads=1,
+    )
+    results = be.run(tmp_path, s, progress=False, only=["pure_interaction"])
+    runs = results["tasks"]["pure_interaction"]
+    # log2(8 + 32) once the queue has filled; the pairwise baseline keeps log2(8)
+    assert runs["hclip"]["ceiling_bits"] == np.log2(40)
+    assert runs["sum_of_pairs (pairwise loss)"]["ceiling_bits"] == 3.0
+    assert "a queue of 32 negatives" in (tmp_path / "results.md").read_text()
+    assert set(runs) == {label for label, _, _ in be.HEAD_RUNS}

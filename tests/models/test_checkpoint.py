@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -51,6 +52,16 @@ def test_fingerprint_changes_with_weights(saved, tmp_path: Path) -> None:
         model.head.weight[0] += 1.0
     other = save_model(model, tmp_path / "m2")
     assert fingerprint(other) != fingerprint(path)
+
+
+def test_fingerprints_of_models_without_plugins_are_unchanged(saved) -> None:
+    """Published indexes record their model's fingerprint, and the service compares it: a model
+    without plugins still hashes as it always did (its architecture's JSON, then its weights)."""
+    _, path = saved
+    cfg = json.loads((path / "config.json").read_text())
+    arch = json.dumps({k: cfg[k] for k in ("modalities", "head", "latent_dim")}, sort_keys=True)
+    h = hashlib.sha256(arch.encode() + (path / "model.safetensors").read_bytes())
+    assert fingerprint(path) == h.hexdigest()[:16]
 
 
 def test_pickled_checkpoint_is_refused(saved) -> None:

@@ -184,5 +184,5 @@ def test_hostile_texts() -> None:
     txt = ModalityConfig(kind="text")
     with pytest.raises(InputError, match="lone surrogate"):
         decode("seven \ud800", txt)
-    with pytest.raises(InputTooLarge, match="1001 characters, over the limit of 1000"):
+    with pytest.raises(InputError, match="1001 characters, over the limit of 1000"):
         decode("x" * 1001, txt, limits=LIMITS)
