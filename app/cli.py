@@ -62,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from app.demo.data import DemoError
     from indexer.cli import USER_ERRORS as INDEX_ERRORS
+    from models.extras import ExtraMissing
     from models.inputs import InputError
     from models.train_cli import USER_ERRORS
 
@@ -72,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.func(args))
-    except (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError) as exc:
+    except (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError, ExtraMissing) as exc:
         print(f"hclip {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

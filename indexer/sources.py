@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from indexer.encode import RawRecord
+from models.extras import require
 from models.records import RecordError
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
 
 def _parquet_rows(path: Path, batch_rows: int = 1024) -> Iterator[tuple[int, RawRecord]]:
-    import pyarrow.parquet as pq
+    pq = require("pyarrow.parquet", "parquet", "reading Parquet records")
 
     try:
         pf = pq.ParquetFile(path)

@@ -25,6 +25,7 @@ import torch
 
 from models.config import ModalityConfig, ModelConfig, TrainConfig
 from models.data import TupleDataset
+from models.extras import require
 from models.heads import default_views, split_modalities, view_name
 from models.model import MultimodalModel
 from models.training import train_model
@@ -238,9 +239,7 @@ def markdown_table(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "bench", "the benchmark's plot").use("Agg")
     import matplotlib.pyplot as plt
 
     tasks_ = results["tasks"]

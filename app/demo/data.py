@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from models.extras import require
+
 log = logging.getLogger(__name__)
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
@@ -75,7 +77,8 @@ class Media:
 
 def _write_images(out: Path) -> dict[str, list[list[str]]]:
     from PIL import Image
-    from sklearn.datasets import load_digits
+
+    load_digits = require("sklearn.datasets", "demo", "the demo's digit images").load_digits
 
     digits = load_digits()
     (out / "images").mkdir(parents=True, exist_ok=True)

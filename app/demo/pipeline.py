@@ -21,6 +21,7 @@ from indexer.build import JobOptions, build
 from models.checkpoint import load_model, save_model
 from models.config import RunConfig
 from models.data import load_training_records
+from models.extras import require
 from models.heads import default_views, split_modalities, view_name
 from models.inputs import decode
 from models.model import MultimodalModel
@@ -168,9 +169,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
+    require("matplotlib", "demo", "the demo's results plot").use("Agg")
     import matplotlib.pyplot as plt
 
     datasets = results["datasets"]
