@@ -68,6 +68,13 @@ class RangeCondition(BaseModel):
     lt: Number | None = None
     lte: Number | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_null_bounds(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(v is None for v in data.values()):
+            raise ValueError("a range's bounds are numbers, not null")
+        return data
+
     @model_validator(mode="after")
     def _some_bound(self) -> RangeCondition:
         if all(v is None for v in (self.gt, self.gte, self.lt, self.lte)):

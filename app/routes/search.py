@@ -174,7 +174,7 @@ async def search(body: SearchRequest, state: State, serving: Serving) -> Respons
 @router.post(
     "/v1/search/batch",
     response_model=BatchSearchResponse,
-    responses=errors(413, 422, 503),
+    responses=errors(400, 413, 422, 503),
     summary="Several searches in one request, answered in order, each with its own error",
 )
 async def search_batch(body: BatchSearchRequest, state: State, serving: Serving) -> Response:

@@ -1,0 +1,453 @@
+"""A Python client for the search service, synchronous and asynchronous, on httpx.
+
+    from app.client import Client
+
+    with Client("http://127.0.0.1:8000") as hclip:
+        hits = hclip.search({"image": "cat.png", "text": "on a sofa"}, k=5).hits
+        hits = hclip.search(embeddings={"audio": my_vector}, filter={"year": {"gte": 2020}}).hits
+
+Raw inputs go in as Python values and are sent as the API wants them, by the kind of their
+modality (learned once from GET /v1/info): a text as a string; an image as a path, bytes, a PIL
+image or an (H, W[, C]) array; audio as a path, WAV bytes or a (samples, sample rate) pair; a
+vector or embedding as any sequence or array of numbers. A 503 (not ready, overloaded, past
+the deadline) and a dropped connection are retried, waiting what Retry-After says (or backing
+off); every other error raises HclipError with the server's status, type, message and request
+id. `AsyncClient` has the same methods, awaitable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import random
+import time
+import wave
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+MEDIA = {"image": "image/png", "audio": "audio/wav"}
+
+
+class HclipError(Exception):
+    """An error answered by the service (or the client's own, status 0)."""
+
+    def __init__(self, status: int, error_type: str, message: str, request_id: str | None = None):
+        super().__init__(f"{status} {error_type}: {message}")
+        self.status = status
+        self.error_type = error_type
+        self.message = message
+        self.request_id = request_id
+
+
+class HclipTimeout(HclipError, TimeoutError):
+    """No answer within the client's timeout."""
+
+
+@dataclass(frozen=True)
+class Hit:
+    id: str
+    score: float
+    payload: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    index_version: str
+    view: str
+    hits: list[Hit]
+    cached: bool
+    effort: int | None = None
+
+    @staticmethod
+    def from_json(obj: Mapping[str, Any]) -> SearchResult:
+        hits = [Hit(h["id"], float(h["score"]), h["payload"]) for h in obj["results"]]
+        return SearchResult(
+            obj["index_version"], obj["view"], hits, obj["cached"], obj.get("effort")
+        )
+
+
+@dataclass(frozen=True)
+class Record:
+    id: str
+    payload: dict[str, Any]
+    modalities: list[str]
+    index_version: str
+
+
+@dataclass(frozen=True)
+class RecordEmbeddings:
+    id: str
+    index_version: str
+    model_fingerprint: str
+    embeddings: dict[str, np.ndarray]  # modality -> (d,)
+
+
+@dataclass(frozen=True)
+class Info:
+    raw: dict[str, Any]
+
+    @property
+    def modalities(self) -> dict[str, str]:
+        """modality -> encoder kind"""
+        return dict(self.raw["model"]["modalities"])
+
+    @property
+    def d(self) -> int:
+        return int(self.raw["model"]["d"])
+
+    @property
+    def omega(self) -> np.ndarray | None:
+        omega = self.raw["model"].get("omega")
+        return None if omega is None else np.asarray(omega, dtype=np.float32)
+
+    @property
+    def index_version(self) -> str:
+        return str(self.raw["index_version"])
+
+
+# --- raw inputs -------------------------------------------------------------------------------
+
+
+def _data_uri(mime: str, raw: bytes) -> str:
+    return f"data:{mime};base64," + base64.b64encode(raw).decode("ascii")
+
+
+def _png(value: Any) -> bytes:
+    from PIL import Image
+
+    if not isinstance(value, Image.Image):
+        arr = np.asarray(value)
+        if arr.dtype != np.uint8:  # floats in [0, 1]
+            arr = (np.clip(arr, 0.0, 1.0) * 255).round().astype(np.uint8)
+        value = Image.fromarray(arr)
+    buf = io.BytesIO()
+    value.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _wav(samples: Any, rate: int) -> bytes:
+    x = np.asarray(samples, dtype=np.float32)
+    if x.ndim != 1:
+        raise ValueError("audio samples must be one channel: a 1-D array")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(int(rate))
+        w.writeframes((np.clip(x, -1.0, 1.0) * 32767).astype("<i2").tobytes())
+    return buf.getvalue()
+
+
+def to_raw(value: Any, kind: str) -> str | list[float]:
+    """A Python value as the API's raw input for a modality of this kind."""
+    if kind == "text":
+        if not isinstance(value, str):
+            raise TypeError(f"a text modality takes a str, got {type(value).__name__}")
+        return value
+    if kind in MEDIA:
+        if isinstance(value, str) and value.startswith("data:"):
+            return value
+        if isinstance(value, str | Path):
+            return _data_uri(MEDIA[kind], Path(value).read_bytes())
+        if isinstance(value, bytes | bytearray):
+            return _data_uri(MEDIA[kind], bytes(value))
+        if kind == "audio":
+            if isinstance(value, tuple) and len(value) == 2:
+                return _data_uri("audio/wav", _wav(*value))
+            raise TypeError("audio takes a path, WAV bytes or a (samples, sample rate) pair")
+        return _data_uri("image/png", _png(value))
+    if isinstance(value, str):
+        return value  # a kind of a plugin's: its own raw form
+    return np.asarray(value, dtype=np.float64).ravel().tolist()
+
+
+def _numbers(value: Any) -> list[float]:
+    return np.asarray(value, dtype=np.float64).ravel().tolist()
+
+
+# --- requests and retries -----------------------------------------------------------------------
+
+
+def _error(r: httpx.Response) -> HclipError:
+    try:
+        body = r.json()
+        return HclipError(r.status_code, body["error_type"], body["error"], body.get("request_id"))
+    except (ValueError, KeyError, TypeError):
+        return HclipError(r.status_code, "http_error", r.text[:200])
+
+
+def _wait_s(r: httpx.Response | None, attempt: int, backoff_s: float, max_wait_s: float) -> float:
+    if r is not None and r.headers.get("retry-after", "").isdigit():
+        return min(max_wait_s, float(r.headers["retry-after"]))
+    return min(max_wait_s, backoff_s * 2**attempt * (0.5 + random.random()))
+
+
+def _search_body(
+    query: Mapping[str, Any] | None,
+    embeddings: Mapping[str, Any] | None,
+    k: int | None,
+    filter: Mapping[str, Any] | None,
+    effort: int | None,
+    kinds: Mapping[str, str],
+) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if query:
+        body["query"] = {m: to_raw(v, kinds.get(m, "vector")) for m, v in query.items()}
+    if embeddings:
+        body["embeddings"] = {m: _numbers(v) for m, v in embeddings.items()}
+    for key, value in (("k", k), ("filter", filter), ("effort", effort)):
+        if value is not None:
+            body[key] = value
+    return body
+
+
+class _Settings:
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float,
+        retries: int,
+        backoff_s: float,
+        max_wait_s: float,
+        headers: Mapping[str, str] | None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_wait_s = max_wait_s
+        self.headers = dict(headers or {})
+        self._info: Info | None = None
+
+    def decide(self, r: httpx.Response | None, attempt: int) -> float | None:
+        """Seconds to wait before retrying, or None: give up (raise)."""
+        if attempt >= self.retries:
+            return None
+        if r is not None and r.status_code != 503:
+            return None
+        return _wait_s(r, attempt, self.backoff_s, self.max_wait_s)
+
+
+class Client(_Settings):
+    """The synchronous client; a context manager (or call close())."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        max_wait_s: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        super().__init__(base_url, timeout, retries, backoff_s, max_wait_s, headers)
+        self._http = httpx.Client(
+            base_url=self.base_url, timeout=timeout, headers=self.headers, transport=transport
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _request(self, method: str, path: str, body: Any = None) -> Any:
+        attempt = 0
+        while True:
+            r: httpx.Response | None = None
+            try:
+                r = self._http.request(method, path, json=body)
+            except httpx.TimeoutException:
+                raise HclipTimeout(0, "timeout", f"no answer within {self.timeout} s") from None
+            except RETRYABLE as exc:
+                wait = self.decide(None, attempt)
+                if wait is None:
+                    raise HclipError(0, "connection", str(exc)) from exc
+            else:
+                if r.is_success:
+                    return r.json()
+                wait = self.decide(r, attempt)
+                if wait is None:
+                    raise _error(r)
+            time.sleep(wait)
+            attempt += 1
+
+    def info(self, refresh: bool = False) -> Info:
+        if self._info is None or refresh:
+            self._info = Info(self._request("GET", "/v1/info"))
+        return self._info
+
+    def health(self) -> bool:
+        return bool(self._request("GET", "/healthz")["status"] == "ok")
+
+    def ready(self) -> str:
+        """The loaded index version (waits, within the retries, while the service loads)."""
+        return str(self._request("GET", "/readyz")["index_version"])
+
+    def search(
+        self,
+        query: Mapping[str, Any] | None = None,
+        embeddings: Mapping[str, Any] | None = None,
+        k: int | None = None,
+        filter: Mapping[str, Any] | None = None,
+        effort: int | None = None,
+    ) -> SearchResult:
+        kinds = self.info().modalities if query else {}
+        body = _search_body(query, embeddings, k, filter, effort, kinds)
+        return SearchResult.from_json(self._request("POST", "/v1/search", body))
+
+    def search_batch(
+        self, searches: Sequence[Mapping[str, Any]]
+    ) -> list[SearchResult | HclipError]:
+        """Each search is a dict of search()'s keyword arguments; each answer is its result or
+        its own error, in order."""
+        kinds = self.info().modalities
+        queries = [
+            _search_body(s.get("query"), s.get("embeddings"), s.get("k"), s.get("filter"),
+                         s.get("effort"), kinds)
+            for s in searches
+        ]  # fmt: skip
+        out = self._request("POST", "/v1/search/batch", {"queries": queries})["results"]
+        return [_batch_item(x) for x in out]
+
+    def embed(self, modality: str, inputs: Sequence[Any]) -> np.ndarray:
+        """(len(inputs), d) embeddings of raw inputs of one modality."""
+        kind = self.info().modalities.get(modality, "vector")
+        body = {"modality": modality, "inputs": [to_raw(v, kind) for v in inputs]}
+        return np.asarray(self._request("POST", "/v1/embed", body)["embeddings"], np.float32)
+
+    def record(self, record_id: str) -> Record:
+        obj = self._request("GET", f"/v1/records/{_quote(record_id)}")
+        return Record(obj["id"], obj["payload"], obj["modalities"], obj["index_version"])
+
+    def record_embeddings(self, record_id: str) -> RecordEmbeddings:
+        obj = self._request("GET", f"/v1/records/{_quote(record_id)}/embeddings")
+        return _record_embeddings(obj)
+
+
+class AsyncClient(_Settings):
+    """The asynchronous client: the same methods, awaitable; an async context manager."""
+
+    def __init__(
+        self,
+        base_url: str,
+        timeout: float = 10.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        max_wait_s: float = 10.0,
+        headers: Mapping[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        super().__init__(base_url, timeout, retries, backoff_s, max_wait_s, headers)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=timeout, headers=self.headers, transport=transport
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, body: Any = None) -> Any:
+        attempt = 0
+        while True:
+            r: httpx.Response | None = None
+            try:
+                r = await self._http.request(method, path, json=body)
+            except httpx.TimeoutException:
+                raise HclipTimeout(0, "timeout", f"no answer within {self.timeout} s") from None
+            except RETRYABLE as exc:
+                wait = self.decide(None, attempt)
+                if wait is None:
+                    raise HclipError(0, "connection", str(exc)) from exc
+            else:
+                if r.is_success:
+                    return r.json()
+                wait = self.decide(r, attempt)
+                if wait is None:
+                    raise _error(r)
+            await asyncio.sleep(wait)
+            attempt += 1
+
+    async def info(self, refresh: bool = False) -> Info:
+        if self._info is None or refresh:
+            self._info = Info(await self._request("GET", "/v1/info"))
+        return self._info
+
+    async def health(self) -> bool:
+        return bool((await self._request("GET", "/healthz"))["status"] == "ok")
+
+    async def ready(self) -> str:
+        return str((await self._request("GET", "/readyz"))["index_version"])
+
+    async def search(
+        self,
+        query: Mapping[str, Any] | None = None,
+        embeddings: Mapping[str, Any] | None = None,
+        k: int | None = None,
+        filter: Mapping[str, Any] | None = None,
+        effort: int | None = None,
+    ) -> SearchResult:
+        kinds = (await self.info()).modalities if query else {}
+        body = _search_body(query, embeddings, k, filter, effort, kinds)
+        return SearchResult.from_json(await self._request("POST", "/v1/search", body))
+
+    async def search_batch(
+        self, searches: Sequence[Mapping[str, Any]]
+    ) -> list[SearchResult | HclipError]:
+        kinds = (await self.info()).modalities
+        queries = [
+            _search_body(s.get("query"), s.get("embeddings"), s.get("k"), s.get("filter"),
+                         s.get("effort"), kinds)
+            for s in searches
+        ]  # fmt: skip
+        out = (await self._request("POST", "/v1/search/batch", {"queries": queries}))["results"]
+        return [_batch_item(x) for x in out]
+
+    async def embed(self, modality: str, inputs: Sequence[Any]) -> np.ndarray:
+        kind = (await self.info()).modalities.get(modality, "vector")
+        body = {"modality": modality, "inputs": [to_raw(v, kind) for v in inputs]}
+        return np.asarray(
+            (await self._request("POST", "/v1/embed", body))["embeddings"], np.float32
+        )
+
+    async def record(self, record_id: str) -> Record:
+        obj = await self._request("GET", f"/v1/records/{_quote(record_id)}")
+        return Record(obj["id"], obj["payload"], obj["modalities"], obj["index_version"])
+
+    async def record_embeddings(self, record_id: str) -> RecordEmbeddings:
+        return _record_embeddings(
+            await self._request("GET", f"/v1/records/{_quote(record_id)}/embeddings")
+        )
+
+
+def _quote(record_id: str) -> str:
+    from urllib.parse import quote
+
+    return quote(record_id, safe="")
+
+
+def _batch_item(x: Mapping[str, Any]) -> SearchResult | HclipError:
+    if "results" in x:
+        return SearchResult.from_json(x)
+    return HclipError(int(x["status"]), x["error_type"], x["error"])
+
+
+def _record_embeddings(obj: Mapping[str, Any]) -> RecordEmbeddings:
+    embs = {m: np.asarray(v, np.float32) for m, v in obj["embeddings"].items()}
+    return RecordEmbeddings(obj["id"], obj["index_version"], obj["model_fingerprint"], embs)
