@@ -15,7 +15,7 @@ from models.inputs import InputLimits
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="HCLIP_", env_file=None, extra="ignore")
 
-    root: Path = Field(Path("data/index"), description="index root (DESIGN §5)")
+    root: Path = Field(Path("data/index"), description="index root (docs/design.md §5)")
     redis_url: str | None = Field(None, description="unset: an in-process LRU cache")
     admin_token: str | None = Field(None, description="bearer token for /v1/admin/*; unset: off")
     host: str = "127.0.0.1"

@@ -1,4 +1,5 @@
-"""The versioned index artifact (DESIGN §5): layout, manifests, checksums, atomic publication.
+"""The versioned index artifact (docs/design.md §5): layout, manifests, checksums, atomic
+publication.
 
     ROOT/CURRENT                    id of the published version, replaced atomically
     ROOT/versions/<id>/             complete before CURRENT names it, never modified afterwards

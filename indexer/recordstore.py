@@ -1,4 +1,4 @@
-"""The record store of a version (DESIGN §5): id <-> row, payloads and which modalities each
+"""The record store of a version (docs/design.md §5): id <-> row, payloads and which modalities each
 row has, in files that the server memory-maps. Opening a version costs the same at a thousand
 records or ten million, and no record becomes a Python object until it is returned.
 

@@ -1,4 +1,5 @@
-"""Scoring heads: H-CLIP and its baselines, all exposing the two retrieval factors of DESIGN §1.
+"""Scoring heads: H-CLIP and its baselines, all exposing the two retrieval factors of
+docs/design.md §1.
 
 For any query set Q (and target set T, its complement) every head satisfies
 
@@ -42,7 +43,7 @@ def view_name(query: Iterable[str]) -> str:
 
 
 def default_views(names: Sequence[str]) -> list[tuple[str, ...]]:
-    """DESIGN §4: every single modality, and for m >= 3 every all-but-one set."""
+    """docs/design.md §4: every single modality, and for m >= 3 every all-but-one set."""
     names = sorted(names)
     views: list[tuple[str, ...]] = [(n,) for n in names]
     if len(names) >= 3:

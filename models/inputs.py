@@ -1,4 +1,4 @@
-"""Decoding raw inputs (DESIGN §3) into the tensors the encoders take.
+"""Decoding raw inputs (docs/design.md §3) into the tensors the encoders take.
 
 Raw inputs are what records and queries carry: a string for `text`, a file path or a base64
 `data:` URI for `image` and `audio`, a list of floats for `vector` and `embedding`, and whatever

@@ -1,4 +1,5 @@
-"""Reading JSON Lines records (DESIGN §3) as a stream, with errors that name the line and id."""
+"""Reading JSON Lines records (docs/design.md §3) as a stream, with errors that name the line
+and id."""
 
 from __future__ import annotations
 

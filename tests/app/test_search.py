@@ -26,7 +26,7 @@ from tests.app.conftest import (
 
 
 def reference(version: LoadedVersion, model, query: dict[str, list[float]], k: int):
-    """DESIGN §1 from the stored embeddings in numpy: (ids, scores) best first."""
+    """docs/design.md §1 from the stored embeddings in numpy: (ids, scores) best first."""
     q_names = sorted(query)
     t_names = [n for n in version.names if n not in query]
     with torch.no_grad():

@@ -1,4 +1,5 @@
-"""Built views return what DESIGN §1 says, in order; the artifact is complete and verifiable."""
+"""Built views return what docs/design.md §1 says, in order; the artifact is complete and
+verifiable."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def records_with_gaps(n: int = 400, seed: int = 0) -> list[dict]:
 
 
 def reference_scores(head: str, model, q_emb: dict, r_emb: dict) -> np.ndarray:
-    """DESIGN §1 in numpy: (nq, nr) scores, up to a per-query constant for sum-of-pairs."""
+    """docs/design.md §1 in numpy: (nq, nr) scores, up to a per-query constant for sum-of-pairs."""
     if head in ("hclip", "symile"):
         omega = model.head.omega.detach().numpy()
         qp = omega * np.prod([q_emb[m] for m in q_emb], axis=0)

@@ -19,7 +19,7 @@ def unit(n: int, d: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def naive_phi(kind: str, head, embs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """DESIGN §1 written out term by term."""
+    """docs/design.md §1 written out term by term."""
     names = sorted(embs)
     n = embs[names[0]].shape[0]
     out = torch.zeros(n, dtype=torch.float64)
