@@ -7,8 +7,11 @@ candidates. The loss forms each target-side product (the record factor of any ta
 the queued embeddings; no head's record factor has parameters, so this is the same as queueing
 the products themselves, and one queue of m embeddings serves all 2m directions of the loss.
 
-There is no momentum encoder: entries were computed by the parameters of the steps that made
-them, as in a memory bank (XBM). A queue of a few batches' worth drifts little per step.
+The queued embeddings come from a momentum encoder (an exponential moving average of the
+encoders, `train.queue_momentum`), as in MoCo: entries made by the online encoders themselves
+differ from the batch's by the encoders' drift between steps, and the model learns to tell
+queued candidates from fresh ones by that drift alone (measured: the loss stayed at
+ln(batch + queue), the softmax never left uniform). models/training.py keeps the momentum copy.
 """
 
 from __future__ import annotations
