@@ -6,6 +6,7 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,14 +16,18 @@ import orjson
 
 from indexer import artifact
 from indexer.arrays import NpyRows
-from indexer.encode import Rejected, RowWriter, Validator, encode_records
+from indexer.columnar import ChunkChecker
+from indexer.encode import Rejected, RowWriter, Validator
+from indexer.local_engine import encode_local
+from indexer.ordering import Admission
 from indexer.reader import LoadedVersion, embedding_path, load_rows
 from indexer.recordstore import RecordStore
-from indexer.sources import iter_records
+from indexer.sources import CHUNK_ROWS, RecordFiles
 from indexer.specs import IndexSpec
 from indexer.verify import verify_contents
-from indexer.views import build_view
+from indexer.views import StoredRows, build_view
 from models.checkpoint import fingerprint, load_model, read_config
+from models.extras import require
 from models.heads import default_views
 from models.model import MultimodalModel
 from models.records import RecordError
@@ -42,6 +47,10 @@ class JobOptions:
     progress: bool = True
     check: bool = True  # the full verification of the staged version before it is published
     filter_fields: tuple[str, ...] | None = None  # None: none at build, the old ones at update
+    engine: str = "local"  # or "ray" (indexer.ray_engine)
+    ray_address: str | None = None  # None: a local Ray started and stopped by the job
+    workers: int | None = None  # Ray encoding actors; None: one per CPU that Ray offers
+    chunk_rows: int = CHUNK_ROWS  # records checked at once (local), per block and shard (Ray)
 
 
 @dataclass
@@ -50,6 +59,7 @@ class JobResult:
     path: Path
     manifest: dict[str, Any]
     rejected: list[Rejected] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase, for benchmarks
 
 
 def _model_block(model_dir: Path, fp: str) -> dict[str, Any]:
@@ -66,6 +76,57 @@ def _full_check(stage: Path) -> list[str]:
     return verify_contents(stage)
 
 
+ENGINES = ("local", "ray")
+
+
+def _encode(
+    model: MultimodalModel,
+    model_dir: Path,
+    files: RecordFiles,
+    validator: Validator,
+    admission: Admission,
+    writer: RowWriter,
+    opts: JobOptions,
+) -> int:
+    """Check, encode and write every record of `files` with the chosen engine; rows written."""
+    if opts.engine == "ray":
+        require("ray.data", "ray", "--engine ray")
+        from indexer.ray_engine import RayJob  # imports ray: only for this engine
+
+        job = RayJob(model_dir, opts.ray_address, opts.workers, opts.batch_size, opts.progress)
+        return job.run(model, files, validator, admission, writer, opts.chunk_rows)
+    checker = ChunkChecker(validator)
+    rows = max(opts.chunk_rows, opts.batch_size)
+    batch = opts.batch_size
+    return encode_local(model, files, checker, admission, writer, batch, rows, opts.progress)
+
+
+def _engine_block(opts: JobOptions) -> dict[str, Any]:
+    if opts.engine == "ray":
+        return {"name": "ray", "address": opts.ray_address, "workers": opts.workers}
+    return {"name": "local"}
+
+
+VIEW_THREADS = 2
+
+
+def _build_views(
+    stage: Path, model: MultimodalModel, stored: StoredRows, opts: JobOptions
+) -> list[dict[str, Any]]:
+    """Every view's manifest entry, in order. Exact views are built two at a time: each is
+    torch products over chunks read from the embeddings and appended to its own file, work
+    that releases the GIL, so a second core nearly halves the time. Approximate and tuned ones
+    are built one by one: FAISS spreads one build over the cores itself, and a tuner's
+    timings must not share the machine with another view."""
+    queries = opts.views or default_views(model.names)
+    if not opts.spec.exact or opts.spec.tuned:
+        return [build_view(stage, model.head, stored, q, opts.spec) for q in queries]
+    with ThreadPoolExecutor(VIEW_THREADS, thread_name_prefix="hclip-view") as pool:
+        return list(
+            pool.map(lambda q: build_view(stage, model.head, stored, q, opts.spec), queries)
+        )
+
+
 def _write_rejects(stage: Path, rejected: list[Rejected]) -> None:
     if rejected:
         with open(stage / artifact.REJECTED, "wb") as f:
@@ -79,20 +140,22 @@ def _finish(
     model: MultimodalModel,
     model_block: dict[str, Any],
     opts: JobOptions,
-    validator: Validator,
+    rejected: list[Rejected],
     parent: str | None,
     extra: dict[str, Any],
     fields: dict[str, dict[str, Any]],
+    timings: dict[str, float],
 ) -> JobResult:
     """Build every view from the staged embeddings, write the manifest, check and publish."""
     stored = load_rows(stage, model.names, mmap=False)
     if stored.count == 0:
         raise RecordError("no valid records: nothing to index")
+    start = time.perf_counter()
     views = {}
-    for q in opts.views or default_views(model.names):
-        entry = build_view(stage, model.head, stored, q, opts.spec)
+    for entry in _build_views(stage, model, stored, opts):
         views["+".join(entry["query"])] = entry
-    _write_rejects(stage, validator.rejected)
+    timings["views_s"] = time.perf_counter() - start
+    _write_rejects(stage, rejected)
     manifest = {
         "format_version": artifact.FORMAT_VERSION,
         "version": stage.name,
@@ -104,44 +167,54 @@ def _finish(
         "counts": {
             "records": stored.count,
             "by_modality": {n: int(stored.present(n).sum()) for n in model.names},
-            "rejected": len(validator.rejected),
+            "rejected": len(rejected),
         },
         "views": views,
         "filter_fields": fields,
-        "rejected": [r.to_dict() for r in validator.rejected[:MANIFEST_REJECTS]],
-        "rejected_file": artifact.REJECTED if validator.rejected else None,
+        "rejected": [r.to_dict() for r in rejected[:MANIFEST_REJECTS]],
+        "rejected_file": artifact.REJECTED if rejected else None,
+        "engine": _engine_block(opts),
         **extra,
     }
-    path = artifact.publish(root, stage, manifest, _full_check if opts.check else None)
+
+    def check(staged: Path) -> list[str]:
+        t = time.perf_counter()
+        problems = _full_check(staged)
+        timings["check_s"] = time.perf_counter() - t
+        return problems
+
+    start = time.perf_counter()
+    path = artifact.publish(root, stage, manifest, check if opts.check else None)
+    timings["publish_s"] = time.perf_counter() - start  # checksums, the check, fsync, rename
     log.info("published version %s (%d records, %d views)", stage.name, stored.count, len(views))
-    return JobResult(stage.name, path, manifest, list(validator.rejected))
+    log.info("timings: %s", ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
+    return JobResult(stage.name, path, manifest, list(rejected), timings)
 
 
 def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> JobResult:
+    """A full build: every record of `records_path` (a file, a directory or a glob)."""
     model = load_model(model_dir)
     block = _model_block(model_dir, fingerprint(model_dir))
+    files = RecordFiles.resolve(records_path)
     with artifact.root_lock(root):
         artifact.clean_staging(root)
         stage = artifact.staging_dir(root, artifact.new_version_id())
         try:
             fields = opts.filter_fields or ()
             writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields)
-            validator = Validator(model, records_path.parent, opts.skip_bad, fields)
+            validator = Validator(model, files.base_dir, opts.skip_bad, fields)
+            admission = Admission(files, opts.skip_bad)
+            start = time.perf_counter()
             try:
-                encode_records(
-                    model,
-                    iter_records(records_path),
-                    validator,
-                    writer,
-                    opts.batch_size,
-                    opts.progress,
-                )
+                _encode(model, model_dir, files, validator, admission, writer, opts)
             finally:
                 writer.close()
-            extra = {"source": {"records": str(records_path.resolve())}}
+            timings = {"encode_s": time.perf_counter() - start}
+            extra = {"source": {"records": str(Path(records_path).resolve())}}
             parent = artifact.read_current(root)
             info = writer.store.fields_info
-            return _finish(root, stage, model, block, opts, validator, parent, extra, info)
+            rejected = admission.rejected
+            return _finish(root, stage, model, block, opts, rejected, parent, extra, info, timings)
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -220,26 +293,28 @@ def update(
             opts.filter_fields = tuple(manifest.get("filter_fields") or {})
         fields = opts.filter_fields
         deleted = set(_read_ids(delete)) if delete else set()
+        files = RecordFiles.resolve(upsert) if upsert else None
         stage = artifact.staging_dir(root, artifact.new_version_id())
         try:
-            validator = Validator(model, upsert.parent if upsert else root, opts.skip_bad, fields)
             side = stage / UPSERTS
             side.mkdir()
             side_writer = RowWriter(side, model.names, model.cfg.latent_dim)
+            admission = None
+            start = time.perf_counter()
             try:
                 encoded = 0
-                if upsert:
-                    encoded = encode_records(
-                        model,
-                        iter_records(upsert),
-                        validator,
-                        side_writer,
-                        opts.batch_size,
-                        opts.progress,
+                if files is not None:
+                    validator = Validator(model, files.base_dir, opts.skip_bad, fields)
+                    admission = Admission(files, opts.skip_bad)
+                    encoded = _encode(
+                        model, model_dir, files, validator, admission, side_writer, opts
                     )
             finally:
                 side_writer.close()
-            replaced = set(validator.seen)  # only upserts that passed validation
+            # only upserts that passed validation replace stored records
+            replaced = set(admission.seen) if admission else set()
+            rejected = admission.rejected if admission else []
+            timings = {"encode_s": time.perf_counter() - start}
             old_store = RecordStore(old, model.names)
             deleted_found = {i for i in deleted if old_store.row_of(i) is not None}
             old_count = len(old_store)
@@ -268,7 +343,16 @@ def update(
             }
             info = writer.store.fields_info
             return _finish(
-                root, stage, model, manifest["model"], opts, validator, old.name, extra, info
+                root,
+                stage,
+                model,
+                manifest["model"],
+                opts,
+                rejected,
+                old.name,
+                extra,
+                info,
+                timings,
             )
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""`hclip index build|update|list|verify|gc`."""
+"""`hclip index build|update|tune|list|verify|gc`."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from indexer import artifact
-from indexer.build import JobOptions, build, summary, update
+from indexer import artifact, tune_cli
+from indexer.build import ENGINES, JobOptions, build, summary, update
 from indexer.specs import IndexSpec, SpecError
 from indexer.verify import verify
 from indexer.views import parse_views
@@ -36,6 +36,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         )
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
         sp.add_argument(
+            "--engine",
+            choices=ENGINES,
+            default="local",
+            help="local: this process (default); ray: Ray Data, on a local Ray or a cluster "
+            "(needs the 'ray' extra)",
+        )
+        sp.add_argument(
+            "--ray-address",
+            help="with --engine ray: an existing cluster (auto, ray://HOST:10001); default: "
+            "start a local Ray for this job and stop it afterwards",
+        )
+        sp.add_argument(
+            "--workers",
+            type=int,
+            help="with --engine ray: encoding actors, each loading the model once (default: "
+            "one per CPU of the local Ray, or of the cluster)",
+        )
+        sp.add_argument(
             "--filter-fields",
             help="comma-separated payload fields that searches may filter on (equality, in, "
             "numeric ranges); default: none at build, the current version's at update",
@@ -43,18 +61,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     b = sub.add_parser("build", help="encode records and publish a new version")
     b.add_argument("--model", required=True, type=Path)
-    b.add_argument("--records", required=True, type=Path, help="JSON Lines or Parquet")
+    b.add_argument(
+        "--records",
+        required=True,
+        type=Path,
+        help="JSON Lines or Parquet: a file, a directory of them or a glob (quoted)",
+    )
     b.add_argument("--root", required=True, type=Path)
     job_options(b)
     b.set_defaults(func=_build)
 
     u = sub.add_parser("update", help="a new version from the current one: deletes, then upserts")
     u.add_argument("--root", required=True, type=Path)
-    u.add_argument("--upsert", type=Path, help="records to add or replace (JSON Lines or Parquet)")
+    u.add_argument(
+        "--upsert",
+        type=Path,
+        help="records to add or replace (JSON Lines or Parquet: a file, a directory or a glob)",
+    )
     u.add_argument("--delete", type=Path, help="ids to remove, one per line")
     u.add_argument("--model", type=Path, help="default: the model that built the current version")
     job_options(u)
     u.set_defaults(func=_update)
+
+    tune_cli.add_parser(sub)
 
     ls = sub.add_parser("list", help="list versions")
     ls.add_argument("--root", required=True, type=Path)
@@ -75,7 +104,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
     if args.batch_size < 1:
         raise SpecError("--batch-size must be at least 1")
-    opts = JobOptions(batch_size=args.batch_size, skip_bad=args.skip_bad, progress=not args.quiet)
+    if args.workers is not None and args.workers < 1:
+        raise SpecError("--workers must be at least 1")
+    if args.engine != "ray" and (args.ray_address or args.workers is not None):
+        raise SpecError("--ray-address and --workers go with --engine ray")
+    opts = JobOptions(
+        batch_size=args.batch_size,
+        skip_bad=args.skip_bad,
+        progress=not args.quiet,
+        engine=args.engine,
+        ray_address=args.ray_address,
+        workers=args.workers,
+    )
     if args.spec:
         opts.spec = IndexSpec.parse(args.spec)
     if args.views:

@@ -1,16 +1,16 @@
-"""The encoding job: a reader of records, a mapper (the model's encoders), a writer of rows.
+"""Checking and encoding records: the reference Validator, the rows the encoders take, and the
+writer of a version's rows.
 
-Memory is bounded by one batch: records are parsed, validated and decoded one batch at a time,
-encoded per modality, and appended to the version's row-aligned embedding files and record
-store. Every way a line can be bad (not JSON, NaN, a wrong type or length, an unknown modality,
-a duplicate id, undecodable media, a payload that cannot be stored) is a RecordError for that
-line, so `--skip-bad` can leave it out and name it.
+Every way a line can be bad (not JSON, NaN, a wrong type or length, an unknown modality, a
+duplicate id, undecodable media, a payload that cannot be stored) is a RecordError for that
+line, so `--skip-bad` can leave it out and name it. The Validator checks one record at a time and
+is the reference for every message; indexer.columnar checks whole chunks at once and hands the
+records its fast checks do not clear to the Validator, so both name a bad record alike.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,12 +18,12 @@ from typing import Any
 import numpy as np
 import orjson
 import torch
-from tqdm import tqdm
 
 from indexer.arrays import NpyAppender
 from indexer.artifact import EMBEDDINGS
 from indexer.filters import FieldsWriter, FieldValueError
 from indexer.recordstore import RecordStoreWriter
+from indexer.sources import RawRecord
 from models.inputs import InputError, decode
 from models.model import MultimodalModel
 from models.records import RecordError, parse_line
@@ -31,10 +31,7 @@ from models.records import RecordError, parse_line
 log = logging.getLogger(__name__)
 
 RESERVED_KEYS = ("id", "payload")
-
-# What a source yields per line: its bytes (JSON Lines), its fields (Parquet), or why it could
-# not even be read as a record.
-RawRecord = bytes | dict[str, Any] | RecordError
+ARRAY_KINDS = ("vector", "embedding")  # fixed-length numbers: checked and encoded as arrays
 
 
 @dataclass
@@ -55,13 +52,18 @@ class Rejected:
     line: int | None
     id: str | None
     reason: str
+    file: str | None = None  # named only when the input has several files
 
     def to_dict(self) -> dict[str, Any]:
-        return {"line": self.line, "id": self.id, "reason": self.reason}
+        out = {"line": self.line, "id": self.id, "reason": self.reason}
+        return out if self.file is None else {"file": self.file, **out}
 
     def where(self) -> str:
-        """As RecordError names it: `line 3, id 'r-2'` (either part may be missing)."""
+        """As RecordError names it: `line 3, id 'r-2'` (either part may be missing), with the
+        file when the input has several: `line 3 of part-1.jsonl, id 'r-2'`."""
         parts = [f"line {self.line}"] if self.line is not None else []
+        if parts and self.file is not None:
+            parts[0] += f" of {self.file}"
         parts += [f"id {self.id!r}"] if self.id is not None else []
         return ", ".join(parts) or "a record"
 
@@ -77,7 +79,13 @@ def payload_json(payload: Any, line: int | None, rid: str) -> bytes:
 
 @dataclass
 class Validator:
-    """Checks records one by one against the model; with skip_bad it collects the rejects."""
+    """Checks records one by one against the model: the reference for every message.
+
+    A check runs in two stages, so that a duplicate id can be told apart from other mistakes
+    by whoever sees the records in order (indexer.ordering): `parse` (is it a JSON object with a
+    string id?) and `finish` (payload, filter fields, modalities), with the duplicate check
+    between them. `check` runs all three itself, for callers that see every record in order.
+    """
 
     model: MultimodalModel
     base_dir: Path
@@ -86,17 +94,16 @@ class Validator:
     seen: dict[str, int | None] = field(default_factory=dict)
     rejected: list[Rejected] = field(default_factory=list)
 
-    def _check(self, line: int | None, raw: RawRecord) -> Record:
+    def parse(self, line: int | None, raw: RawRecord) -> tuple[dict[str, Any], str]:
         if isinstance(raw, RecordError):
             raise raw
         obj = parse_line(raw, line or 0) if isinstance(raw, bytes) else raw
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid:
             raise RecordError("'id' must be a non-empty string", line)
-        if rid in self.seen:
-            first = self.seen[rid]
-            where = f"line {first}" if first is not None else "an earlier record"
-            raise RecordError(f"duplicate id, first seen on {where}", line, rid)
+        return obj, rid
+
+    def finish(self, obj: dict[str, Any], rid: str, line: int | None) -> Record:
         payload = payload_json(obj.get("payload", {}), line, rid)
         if self.filter_fields:
             try:
@@ -119,8 +126,17 @@ class Validator:
                 raise RecordError(f"{key}: {exc}", line, rid) from None
         if not inputs:
             raise RecordError("record has no modality", line, rid)
-        self.seen[rid] = line
         return Record(rid, line, payload, inputs)
+
+    def _check(self, line: int | None, raw: RawRecord) -> Record:
+        obj, rid = self.parse(line, raw)
+        if rid in self.seen:
+            first = self.seen[rid]
+            where = f"line {first}" if first is not None else "an earlier record"
+            raise RecordError(f"duplicate id, first seen on {where}", line, rid)
+        record = self.finish(obj, rid, line)
+        self.seen[rid] = line
+        return record
 
     def check(self, line: int | None, raw: RawRecord) -> Record | None:
         try:
@@ -136,15 +152,85 @@ class Validator:
         log.warning("skipped: %s", exc)
 
 
-def batched(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    batch: list[Any] = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+@dataclass
+class Rows:
+    """Validated records in input order, column by column: what the encoders take and the
+    record store keeps. `inputs[name]` is an (n, dim) float32 array for vector and embedding
+    modalities (zero rows where absent) and a list of decoded inputs (None where absent) for
+    the others; `presence` (n, m) says which are real."""
+
+    locs: np.ndarray  # (n,) int64: indexer.sources locations
+    ids: list[str]
+    payloads: list[bytes]
+    presence: np.ndarray  # (n, m) bool, the model's modality order
+    inputs: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        """Consecutive parts as one, in order."""
+        first = parts[0]
+        return Rows(
+            np.concatenate([p.locs for p in parts]),
+            [i for p in parts for i in p.ids],
+            [x for p in parts for x in p.payloads],
+            np.concatenate([p.presence for p in parts]),
+            {
+                n: np.concatenate([p.inputs[n] for p in parts])
+                if isinstance(v, np.ndarray)
+                else [x for p in parts for x in p.inputs[n]]
+                for n, v in first.inputs.items()
+            },
+        )
+
+    def take(self, keep: np.ndarray) -> Rows:
+        """The rows where `keep` (n,) bool is true, in order."""
+        if bool(keep.all()):
+            return self
+        idx = np.flatnonzero(keep)
+        return Rows(
+            self.locs[idx],
+            [self.ids[i] for i in idx],
+            [self.payloads[i] for i in idx],
+            self.presence[idx],
+            {
+                n: v[idx] if isinstance(v, np.ndarray) else [v[i] for i in idx]
+                for n, v in self.inputs.items()
+            },
+        )
+
+
+@torch.no_grad()
+def encode_rows(model: MultimodalModel, rows: Rows, batch_size: int) -> dict[str, np.ndarray]:
+    """(n, d) float32 per modality, zero where a row lacks it; `batch_size` rows per encoder
+    call. A model that outputs NaN or infinity stops the job: it must not reach an index."""
+    out = {}
+    for j, name in enumerate(model.names):
+        present = np.flatnonzero(rows.presence[:, j])
+        full = np.zeros((len(rows), model.cfg.latent_dim), dtype=np.float32)
+        values = rows.inputs[name]
+        for start in range(0, len(present), batch_size):
+            idx = present[start : start + batch_size]
+            if isinstance(values, np.ndarray):
+                emb = _encode_array(model, name, values[idx])
+            else:
+                emb = model.encode(name, [values[i] for i in idx])
+            full[idx] = emb.numpy()
+        if not np.isfinite(full).all():
+            raise RecordError(f"encoder {name!r} produced non-finite values in this batch")
+        out[name] = full
+    return out
+
+
+def _encode_array(model: MultimodalModel, name: str, x: np.ndarray) -> torch.Tensor:
+    # Through model.encode like every other input, as one tensor per row, which the encoder's
+    # collate stacks back: model.encode is the one entry point that the tests and the
+    # bare-encoder benchmark count. unbind makes the row views in C++, at half the cost of
+    # iterating the tensor in Python (measured).
+    batch = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    return model.encode(name, batch.unbind(0))
 
 
 class RowWriter:
@@ -155,6 +241,7 @@ class RowWriter:
     """
 
     def __init__(self, vdir: Path, names: list[str], dim: int, filter_fields: tuple[str, ...] = ()):
+        self.vdir = vdir
         self.names = names
         self.dim = dim
         self.store = RecordStoreWriter(vdir, names, filter_fields)
@@ -164,11 +251,6 @@ class RowWriter:
     @property
     def rows(self) -> int:
         return self.store.rows
-
-    def write(self, batch: list[Record], embs: dict[str, np.ndarray]) -> None:
-        """`embs[name]` is (len(batch), d), zero where a record lacks the modality."""
-        presence = np.array([r.presence(self.names) for r in batch], dtype=bool)
-        self.write_rows([r.id for r in batch], [r.payload_json for r in batch], presence, embs)
 
     def write_rows(
         self,
@@ -185,41 +267,3 @@ class RowWriter:
         self.store.close()
         for arr in self.arrays.values():
             arr.close()
-
-
-@torch.no_grad()
-def encode_batch(model: MultimodalModel, batch: list[Record]) -> dict[str, np.ndarray]:
-    out = {}
-    for name in model.names:
-        rows = [i for i, r in enumerate(batch) if name in r.inputs]
-        full = np.zeros((len(batch), model.cfg.latent_dim), dtype=np.float32)
-        if rows:
-            emb = model.encode(name, [batch[i].inputs[name] for i in rows])  # (len(rows), d)
-            full[rows] = emb.numpy()
-        out[name] = full
-    return out
-
-
-def encode_records(
-    model: MultimodalModel,
-    source: Iterable[tuple[int, RawRecord]],
-    validator: Validator,
-    writer: RowWriter,
-    batch_size: int,
-    progress: bool = True,
-) -> int:
-    """Validate, encode and write every record of `source`; returns the rows written."""
-    checked = (validator.check(line, raw) for line, raw in source)
-    valid = (r for r in checked if r is not None)
-    bar = tqdm(desc="encode", unit="rec", disable=not progress)
-    written = 0
-    for batch in batched(valid, batch_size):
-        embs = encode_batch(model, batch)
-        for name, e in embs.items():
-            if not np.isfinite(e).all():  # a model that outputs NaN must not reach an index
-                raise RecordError(f"encoder {name!r} produced non-finite values in this batch")
-        writer.write(batch, embs)
-        written += len(batch)
-        bar.update(len(batch))
-    bar.close()
-    return written

@@ -19,10 +19,10 @@ from typing import Any
 import faiss
 import numpy as np
 
-from indexer import artifact, flat, mips
+from indexer import ann, artifact, flat
 from indexer.arrays import NpyRows
 from indexer.recordstore import RecordStore, RecordStoreError
-from indexer.specs import IndexSpec, search_params, set_search_params
+from indexer.specs import IndexSpec, set_search_params
 from indexer.views import StoredRows, factor_chunks
 from models.heads import build_head
 
@@ -52,7 +52,8 @@ EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are
 @dataclass
 class View:
     """One view: its rows and either its vectors (flat: exact search by indexer.flat's kernels)
-    or an approximate FAISS index over the norm-augmented vectors (indexer.mips)."""
+    or an approximate FAISS index over the norm-augmented vectors (indexer.mips), searched by
+    indexer.ann (compressed codes re-ranked from exact vectors recomputed here)."""
 
     name: str
     query: tuple[str, ...]
@@ -71,10 +72,14 @@ class View:
     def count(self) -> int:
         return len(self.rows)
 
+    def effort_used(self, effort: int | None, k: int) -> int | None:
+        """The effort a search with this `effort` (None: the spec's) and k runs with."""
+        return ann.effort_used(self.spec, effort, k)
+
     @property
     def default_effort(self) -> int | None:
         """The effort the spec searches with: HNSW's ef_search, IVF's nprobe, else None."""
-        return self.spec.params.get("ef_search", self.spec.params.get("nprobe"))
+        return self.spec.effort
 
     def search(
         self,
@@ -124,9 +129,17 @@ class View:
             effort = min(
                 4 * self.default_effort, round(self.default_effort * self.count / n_allowed)
             )
-        params = search_params(self.index, self.spec, effort, allowed)
-        dist, pos = self.index.search(mips.pad_queries(xq, self.width), k, params=params)
-        return mips.inner_products(xq, dist, self.max_norm), pos
+        return ann.search(
+            self.index,
+            self.spec,
+            xq,
+            k,
+            self.max_norm,
+            self.width,
+            effort,
+            allowed,
+            self.exact_vectors,
+        )
 
 
 class LoadedVersion:

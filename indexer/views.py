@@ -16,9 +16,12 @@ from typing import Any
 import faiss
 import numpy as np
 import torch
+from faiss.contrib.evaluation import knn_intersection_measure
+from faiss.contrib.exhaustive_search import knn_ground_truth
 
+from indexer import ann, artifact, tune
+from indexer.ann import ExactVectors
 from indexer.arrays import NpyAppender
-from indexer.mips import augment, pad_queries
 from indexer.mips import max_norm as norm_of
 from indexer.specs import IndexSpec, augmented_width, new_index
 from models.heads import Head, split_modalities, view_name
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 CHUNK = 8192
 RECALL_QUERIES = 200
 RECALL_K = 10
+TUNE_QUERIES = 1000  # per half: the tuner's choice and its check each get this many
 
 
 def parse_views(text: str, names: Sequence[str]) -> list[tuple[str, ...]]:
@@ -77,24 +81,6 @@ def factor_chunks(
         yield np.ascontiguousarray(out.numpy(), dtype=np.float32)
 
 
-def exact_topk(xq: np.ndarray, chunks: Iterator[np.ndarray], k: int) -> np.ndarray:
-    """Brute-force top-k positions by inner product, merging chunk by chunk: the reference."""
-    best_s = np.full((xq.shape[0], 0), -np.inf, dtype=np.float32)
-    best_i = np.zeros((xq.shape[0], 0), dtype=np.int64)
-    offset = 0
-    for xb in chunks:
-        s = xq @ xb.T  # (nq, chunk)
-        best_s = np.concatenate([best_s, s], axis=1)
-        best_i = np.concatenate(
-            [best_i, np.arange(offset, offset + xb.shape[0])[None].repeat(len(xq), 0)], 1
-        )
-        keep = np.argsort(-best_s, axis=1, kind="stable")[:, :k]
-        best_s = np.take_along_axis(best_s, keep, 1)
-        best_i = np.take_along_axis(best_i, keep, 1)
-        offset += xb.shape[0]
-    return best_i
-
-
 def sample_queries(
     head: Head, stored: StoredRows, query: Sequence[str], n: int, seed: int = 0
 ) -> np.ndarray:
@@ -107,11 +93,41 @@ def sample_queries(
     return np.concatenate(list(factor_chunks(head, stored, pick, query, "query")))
 
 
+def mapped_rows(vdir: Path, stored: StoredRows) -> StoredRows:
+    """The version's embeddings memory-mapped, as the server reads them: re-ranking is timed
+    (indexer.tune) and run (measure_recall) on the path that serves it."""
+    embeddings = {
+        n: np.load(vdir / artifact.EMBEDDINGS / f"{n}.npy", mmap_mode="r") for n in stored.names
+    }
+    return StoredRows(stored.names, embeddings, stored.presence)
+
+
+def exact_vectors_of(
+    head: Head, stored: StoredRows, rows: np.ndarray, target: Sequence[str]
+) -> ExactVectors:
+    """positions -> the view's exact vectors, recomputed from the stored embeddings."""
+
+    def vectors(positions: np.ndarray) -> np.ndarray:
+        chunks = factor_chunks(head, stored, rows[positions], target, "record")
+        return np.concatenate([np.zeros((0, head.factor_dim), np.float32), *chunks])
+
+    return vectors
+
+
 def build_view(
-    vdir: Path, head: Head, stored: StoredRows, query: Sequence[str], spec: IndexSpec
+    vdir: Path,
+    head: Head,
+    stored: StoredRows,
+    query: Sequence[str],
+    spec: IndexSpec,
+    tuning: tune.TuneOptions | None = None,
 ) -> dict[str, Any]:
     """Write the view's vectors (views/<name>.npy, flat) or index (views/<name>.faiss) and
-    views/<name>.rows.npy; return the manifest entry."""
+    views/<name>.rows.npy; return the manifest entry.
+
+    A spec with a recall target (`auto`, or the pick of an earlier tuning) runs the tuner
+    (indexer.tune), with `tuning`'s options: held-out query vectors of the view's own (e.g.
+    from logged requests) join those sampled from the records."""
     q, t = split_modalities(head.names, query)
     name = view_name(q)
     rows = stored.rows_with(t)
@@ -124,17 +140,21 @@ def build_view(
         "dim": dim,
         "spec": spec.to_dict(),
     }
-    path = vdir / "views" / f"{name}.faiss"
-    if spec.exact or len(rows) == 0:
+    flat_path = vdir / "views" / f"{name}.npy"
+    if spec.exact or spec.tuned or len(rows) == 0:
         # An aligned float32 .npy, memory-mapped by the server: FAISS's exact kernels take it
         # as it is (faiss.knn), and so do torch and numpy, which a .faiss file's 45-byte
-        # header would misalign.
-        with NpyAppender(vdir / "views" / f"{name}.npy", dim) as w:
+        # header would misalign. The tuner measures on it too, and drops it if it picks an index.
+        with NpyAppender(flat_path, dim) as w:
             for xb in factor_chunks(head, stored, rows, t, "record"):
                 w.append(xb)
-        entry["spec"] = IndexSpec("flat").to_dict()
+        entry["spec"] = IndexSpec("flat", {}, spec.target_recall).to_dict()
         entry["recall_at_10"] = 1.0
-        return entry
+        if not spec.tuned or len(rows) == 0:
+            return entry
+        return _tuned(vdir, head, stored, q, t, rows, entry, spec, tuning or tune.TuneOptions())
+    mapped = mapped_rows(vdir, stored)
+    exact = exact_vectors_of(head, mapped, rows, t)
     max_norm = max(norm_of(xb) for xb in factor_chunks(head, stored, rows, t, "record"))
     width = augmented_width(dim, spec)
     index = new_index(spec, width, len(rows))
@@ -142,31 +162,77 @@ def build_view(
         rng = np.random.default_rng(0)
         sample = np.sort(rng.choice(len(rows), size=min(len(rows), 50_000), replace=False))
         train = np.concatenate(list(factor_chunks(head, stored, rows[sample], t, "record")))
-        index.train(augment(train, max_norm, width))
+        index.train(ann.stored_form(spec, train, max_norm, width))
     for xb in factor_chunks(head, stored, rows, t, "record"):
-        index.add(augment(xb, max_norm, width))
-    faiss.write_index(index, str(path))
+        index.add(ann.stored_form(spec, xb, max_norm, width))
+    faiss.write_index(index, str(vdir / "views" / f"{name}.faiss"))
     entry["augment"] = {"max_norm": max_norm, "width": width}
-    entry["recall_at_10"] = measure_recall(head, stored, q, t, rows, index, width)
+    xq = sample_queries(head, stored, q, RECALL_QUERIES, seed=1)
+    chunks = factor_chunks(head, stored, rows, t, "record")
+    entry["recall_at_10"] = measure_recall(xq, chunks, index, spec, max_norm, width, exact)
     log.info("view %s: %s recall@10 = %.3f", name, spec.kind, entry["recall_at_10"])
     return entry
 
 
-def measure_recall(
+def _tuned(
+    vdir: Path,
     head: Head,
     stored: StoredRows,
-    q: Sequence[str],
-    t: Sequence[str],
+    q: tuple[str, ...],
+    t: tuple[str, ...],
     rows: np.ndarray,
+    entry: dict[str, Any],
+    spec: IndexSpec,
+    opts: tune.TuneOptions,
+) -> dict[str, Any]:
+    """The tuner's pick for a view whose flat vectors are already written (entry says flat)."""
+    assert spec.target_recall is not None
+    name = view_name(q)
+    flat_path = vdir / "views" / f"{name}.npy"
+    sources = {"records": sample_queries(head, stored, q, 2 * TUNE_QUERIES, seed=1)}
+    held_out = opts.held_out.get(name)
+    if held_out is not None and len(held_out):
+        sources["held_out"] = np.asarray(held_out, dtype=np.float32)
+    tune_q, check_q = tune.split_queries(sources)
+    vectors = np.load(flat_path, mmap_mode="c")  # as the server maps it (torch wants writable)
+    work = tune.Workload(
+        vectors=vectors,
+        tune_q=tune_q,
+        check_q=check_q,
+        exact_vectors=exact_vectors_of(head, mapped_rows(vdir, stored), rows, t),
+        sources={k: len(v) for k, v in sources.items()},
+    )
+    log.info(
+        "view %s: tuning for recall@10 >= %s over %d records", name, spec.target_recall, len(rows)
+    )
+    result = tune.tune(work, spec.target_recall, opts)
+    entry["tuning"] = result.report
+    entry["spec"] = result.spec.to_dict()
+    entry["recall_at_10"] = round(result.recall, 4)
+    log.info("view %s: picked %s (%s)", name, result.spec, result.report.get("why", "met"))
+    if result.index is None:
+        return entry
+    del vectors, work
+    faiss.write_index(result.index, str(vdir / "views" / f"{name}.faiss"))
+    flat_path.unlink()
+    entry["augment"] = {"max_norm": result.max_norm, "width": result.width}
+    return entry
+
+
+def measure_recall(
+    xq: np.ndarray,
+    chunks: Iterator[np.ndarray],
     index: faiss.Index,
+    spec: IndexSpec,
+    max_norm: float,
     width: int,
+    exact: ExactVectors,
 ) -> float:
-    """recall@10 of the approximate index against exact search, on sampled records' queries."""
-    xq = sample_queries(head, stored, q, RECALL_QUERIES, seed=1)
+    """recall@10 of the approximate index, searched as the server searches it, against exact
+    search (faiss.contrib's streamed ground truth) on sampled records' queries."""
     if len(xq) == 0:
         return float("nan")
-    k = min(RECALL_K, len(rows))
-    truth = exact_topk(xq, factor_chunks(head, stored, rows, t, "record"), k)
-    _, got = index.search(pad_queries(xq, width), k)
-    hits = sum(len(set(a) & set(b)) for a, b in zip(truth.tolist(), got.tolist(), strict=True))
-    return round(hits / (k * len(xq)), 4)
+    _, truth = knn_ground_truth(xq, chunks, RECALL_K, metric_type=faiss.METRIC_INNER_PRODUCT)
+    k = min(RECALL_K, index.ntotal)
+    _, got = ann.search(index, spec, xq, k, max_norm, width, exact_vectors=exact)
+    return round(float(knn_intersection_measure(got, np.asarray(truth)[:, :k])), 4)

@@ -1,11 +1,32 @@
-"""Index build benchmark: peak memory against record count and batch size, and throughput
-against the bare encoders. Prints figures; it is not a test (this machine is shared and noisy).
+"""Index build benchmark: the engines against the bare encoders, and peak memory of every
+process. Prints figures; it is not a test (this machine is shared and noisy).
 
-    python scripts/bench_indexer.py [--sizes 10000 100000] [--batch-sizes 64 1024]
+    python scripts/bench_indexer.py                       # 1M records, all four runs
+    python scripts/bench_indexer.py --records 100000      # a quicker look
+    python scripts/bench_indexer.py --runs local-jsonl ray-2
+    python scripts/bench_indexer.py --sweep               # peak RSS by record count and batch
 
-Each build runs as its own `hclip index build` process, and its peak RSS comes from wait4().
-Linux counts a child's resident set from before its exec too, so this parent stays small: it
-never imports torch, and the model and the bare-encoder timing run in child processes as well.
+Records have three 16-d `vector` modalities (a, b, c) and a small payload (as in
+bench_scale.py); the model is an untrained H-CLIP with d = 64, so encoding is as cheap as it
+gets and every other cost shows. The runs, each one `hclip index build` process:
+
+    local-jsonl     the local engine on one JSON Lines file
+    local-parquet   the local engine on the same records in Parquet (fixed-size float32 lists)
+    ray-1, ray-2    the Ray engine on the JSON Lines file, 1 or 2 encoding actors, on a local
+                    Ray that the build starts and stops (its start-up is in the figures)
+
+Each run prints records/s over the whole process (interpreter start to exit) and its ratio to
+the bare encoders (records/s through `model.encode` for the three modalities, inputs already
+decoded in memory, one thread, the same batch size), then the phases the build logs, in
+seconds: encode (read, check, encode and write the rows; for Ray also starting Ray and its
+actors) with its own ratio to the bare encoders in brackets, views, and publish (checksums,
+the full check of the staged version, shown apart as `check`, and fsync). torch runs one
+thread everywhere (OMP_NUM_THREADS=1); the local engine also runs a forked reader process,
+and Ray one process per actor. Peak RSS is each process's own high water mark (VmHWM, sampled
+from /proc every 0.2 s): the build's driver, the local engine's reader (forked: it shares the
+driver's pages until either writes them, so the two overlap), every Ray worker (the encoding
+actors, read tasks), and Ray's own processes (GCS, raylet, agents), summed. The parent stays
+small: it never imports torch; the model and the bare timing run in children.
 """
 
 from __future__ import annotations
@@ -13,32 +34,64 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-DIMS = {"image": 64, "audio": 64, "text": 64}  # `vector` features standing in for backbones
+DIMS = {"a": 16, "b": 16, "c": 16}
+LATENT = 64
+RUNS = ("local-jsonl", "local-parquet", "ray-1", "ray-2")
+TIMINGS = re.compile(r"timings: (.*)$", re.M)
 
 
-def write_records(path: Path, n: int, seed: int = 0) -> None:
+def write_records(jsonl: str, parquet: str, n: int, seed: int = 0) -> None:
+    """The same records twice: JSON Lines (orjson, as float32 prints) and Parquet."""
+    import orjson
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for start in range(0, n, 10_000):
-            m = min(10_000, n - start)
-            cols = {
-                k: rng.standard_normal((m, d)).astype(np.float32).round(4) for k, d in DIMS.items()
-            }
+    writer = None
+    with open(jsonl, "wb") as f:
+        for start in range(0, n, 50_000):
+            m = min(50_000, n - start)
+            cols = {k: rng.standard_normal((m, d)).astype(np.float32) for k, d in DIMS.items()}
+            cats = rng.integers(0, 100, m)
+            ids = [f"r{start + i}" for i in range(m)]
+            payloads = [{"i": start + i, "category": f"c{cats[i]}"} for i in range(m)]
+            lines = []
             for i in range(m):
-                rec = {"id": f"r{start + i}", "payload": {"i": start + i}}
-                rec.update({k: v[i].tolist() for k, v in cols.items()})
-                f.write(json.dumps(rec) + "\n")
+                rec: dict[str, Any] = {"id": ids[i], "payload": payloads[i]}
+                for k, v in cols.items():
+                    rec[k] = v[i]
+                lines.append(orjson.dumps(rec, option=orjson.OPT_SERIALIZE_NUMPY))
+            f.write(b"\n".join(lines) + b"\n")
+            table = pa.table(
+                {
+                    "id": ids,
+                    "payload": [orjson.dumps(p).decode() for p in payloads],
+                    **{
+                        k: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), v.shape[1])
+                        for k, v in cols.items()
+                    },
+                }
+            )
+            if writer is None:
+                writer = pq.ParquetWriter(parquet, table.schema)
+            writer.write_table(table, row_group_size=50_000)
+    if writer is not None:
+        writer.close()
 
 
-def make_model(path: Path) -> Path:
+def make_model(path: str) -> Path:
     import torch
 
     from models.checkpoint import save_model
@@ -49,47 +102,21 @@ def make_model(path: Path) -> Path:
         {
             "modalities": {k: {"kind": "vector", "dim": d} for k, d in DIMS.items()},
             "head": "hclip",
-            "latent_dim": 64,
+            "latent_dim": LATENT,
         }
     )
     torch.manual_seed(0)
     return save_model(MultimodalModel(cfg), path, overwrite=True)
 
 
-def run_build(model: Path, records: Path, root: Path, batch: int) -> dict[str, float]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "app.cli",
-        "index",
-        "build",
-        "--model",
-        str(model),
-        "--records",
-        str(records),
-        "--root",
-        str(root),
-        "--quiet",
-        "--batch-size",
-        str(batch),
-    ]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if status != 0:
-        raise SystemExit(f"build failed: {proc.stderr.read().decode() if proc.stderr else ''}")
-    return {"wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024}
-
-
-def bare_encoder_rate(model_dir: Path, n: int, batch: int) -> float:
+def bare_encoder_rate(model_dir: str, n: int, batch: int) -> float:
     """Records/s through the three encoders alone, inputs already decoded in memory."""
     import torch
 
     from models.checkpoint import load_model
 
     torch.set_num_threads(1)
-    model = load_model(model_dir)
+    model = load_model(Path(model_dir))
     rng = np.random.default_rng(1)
     x = {
         k: torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32)) for k, d in DIMS.items()
@@ -102,70 +129,202 @@ def bare_encoder_rate(model_dir: Path, n: int, batch: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
+class PeakSampler:
+    """Every process under `root_pid`: its largest VmHWM seen and its latest command line."""
+
+    def __init__(self, root_pid: int, every_s: float = 0.2):
+        self.root = root_pid
+        self.every = every_s
+        self.peak_kb: dict[int, int] = {}
+        self.name: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sample()
+            time.sleep(self.every)
+
+    def sample(self) -> None:
+        children: dict[int, list[int]] = {}
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(proc.name))
+        todo = [self.root]
+        while todo:
+            pid = todo.pop()
+            todo += children.get(pid, [])
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            hwm = re.search(r"VmHWM:\s+(\d+) kB", status)
+            if hwm:
+                self.peak_kb[pid] = max(self.peak_kb.get(pid, 0), int(hwm.group(1)))
+                self.name[pid] = _role(pid == self.root, cmd)
+
+    def by_role(self) -> dict[str, list[float]]:
+        out: dict[str, list[float]] = {}
+        for pid, kb in self.peak_kb.items():
+            out.setdefault(self.name[pid], []).append(kb / 1024)
+        return {k: sorted(v, reverse=True) for k, v in sorted(out.items())}
+
+
+def _role(is_driver: bool, cmd: list[bytes]) -> str:
+    text = b" ".join(cmd).decode(errors="replace")
+    if is_driver:
+        return "driver"
+    if "EncodeShards" in text:
+        return "encode actor"
+    if "app.cli" in text:  # forked from the driver: shares its pages until either writes
+        return "reader (forked)"
+    if text.startswith("ray::"):
+        return "ray worker (reads, idle)"
+    return "ray system"
+
+
+def run_build(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    err: list[bytes] = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read() if proc.stderr else b""))
+    reader.start()
+    with PeakSampler(proc.pid) as sampler:
+        _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t0
+    reader.join()
+    text = b"".join(err).decode(errors="replace")
+    if status != 0:
+        raise SystemExit(f"build failed: {' '.join(cmd)}\n{text[-3000:]}")
+    found = TIMINGS.findall(text)
+    timings = (
+        dict((k, float(v)) for k, v in (item.split() for item in found[-1].split(", ")))
+        if found
+        else {}
+    )
+    roles = sampler.by_role()
+    roles["driver"] = [usage.ru_maxrss / 1024]  # exact, from the kernel
+    return {"wall_s": wall, "timings": timings, "peak_rss_mb": roles}
+
+
+def build_cmd(model: Path, records: Path, root: Path, batch: int, run: str) -> list[str]:
+    cmd = [sys.executable, "-m", "app.cli", "index", "build", "--model", str(model)]
+    cmd += ["--records", str(records), "--root", str(root), "--quiet", "--batch-size", str(batch)]
+    if run.startswith("ray-"):
+        cmd += ["--engine", "ray", "--workers", run.split("-")[1]]
+    return cmd
+
+
+def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    n, batch = args.records, args.batch_size
+    _child("make_model", str(work / "model"))
+    model = work / "model"
+    jsonl, parquet = work / f"records-{n}.jsonl", work / f"records-{n}.parquet"
+    t0 = time.perf_counter()
+    _child("write_records", str(jsonl), str(parquet), n)
+    size = jsonl.stat().st_size / 1e6
+    print(f"{n} records written in {time.perf_counter() - t0:.0f} s ({size:.0f} MB JSON Lines)")
+    bare = float(_child("bare_encoder_rate", str(model), min(n, 200_000), batch))
+    print(f"bare encoders (model.encode, 1 thread, batch {batch}): {bare:,.0f} records/s\n")
+    head = (
+        f"{'run':<14} {'rec/s':>9} {'wall s':>7} {'ratio':>6} {'encode':>7} {'(ratio)':>7} "
+        f"{'views':>6} {'check':>6} {'publish':>7}  peak RSS MB"
+    )
+    print(head)
+    results = {}
+    for run in args.runs:
+        records = parquet if run == "local-parquet" else jsonl
+        root = work / f"root-{run}"
+        r = run_build(build_cmd(model, records, root, batch, run), env)
+        shutil.rmtree(root)  # a 1M-record version is about 2.5 GB: keep one at a time
+        r["records_s"] = n / r["wall_s"]
+        r["ratio"] = r["records_s"] / bare
+        encode_s = r["timings"].get("encode_s")
+        r["encode_ratio"] = n / encode_s / bare if encode_s else None
+        results[run] = r
+        t = r["timings"]
+        rss = "; ".join(
+            f"{role} {', '.join(f'{x:.0f}' for x in peaks)}"
+            if role != "ray system"
+            else f"{role} {sum(peaks):.0f} (sum of {len(peaks)})"
+            for role, peaks in r["peak_rss_mb"].items()
+        )
+        print(
+            f"{run:<14} {r['records_s']:>9,.0f} {r['wall_s']:>7.1f} {r['ratio']:>6.2f} "
+            f"{t.get('encode_s', 0):>7.1f} {r['encode_ratio'] or 0:>7.2f} "
+            f"{t.get('views_s', 0):>6.1f} {t.get('check_s', 0):>6.1f} "
+            f"{t.get('publish_s', 0):>7.1f}  {rss}"
+        )
+    return {"records": n, "batch": batch, "bare_encoder_rec_s": bare, "runs": results}
+
+
+def sweep(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
+    """The earlier table: the local engine's peak RSS by record count and batch size."""
+    _child("make_model", str(work / "model"))
+    model = work / "model"
+    rows = []
+    print(f"{'records':>9} {'batch':>6} {'peak RSS MB':>12} {'build s':>8} {'rec/s':>9}")
+    for n in args.sizes:
+        jsonl = work / f"records-{n}.jsonl"
+        _child("write_records", str(jsonl), str(work / f"records-{n}.parquet"), n)
+        for batch in args.batch_sizes:
+            r = run_build(build_cmd(model, jsonl, work / f"root-{n}-{batch}", batch, "local"), env)
+            rss = r["peak_rss_mb"]["driver"][0]
+            rows.append({"records": n, "batch": batch, **r})
+            print(f"{n:>9} {batch:>6} {rss:>12.0f} {r['wall_s']:>8.1f} {n / r['wall_s']:>9,.0f}")
+    return {"sweep": rows}
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--records", type=int, default=1_000_000)
+    p.add_argument("--runs", nargs="+", choices=RUNS, default=list(RUNS))
+    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--sweep", action="store_true", help="peak RSS by record count and batch")
     p.add_argument("--sizes", type=int, nargs="+", default=[10_000, 100_000])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 1024])
-    p.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads per build")
+    p.add_argument("--work", type=Path, help="keep records and indexes here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=Path("bench-out/indexer.json"))
     args = p.parse_args()
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env.pop("RAY_ADDRESS", None)  # the Ray runs start their own local Ray
+    with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
-        _child("make_model", str(work / "model"))
-        model = work / "model"
-        baseline = run_build(model, _records(work, 10), work / "warm", 64)  # interpreter + torch
-        print(f"process baseline (10 records): peak RSS {baseline['peak_rss_mb']:.0f} MB")
-        print(
-            f"{'records':>9} {'batch':>6} {'peak RSS MB':>12} {'build s':>8} {'build rec/s':>12} "
-            f"{'bare encoder rec/s':>19} {'ratio':>6}"
-        )
-        for n in args.sizes:
-            records = _records(work, n)
-            for batch in args.batch_sizes:
-                r = run_build(model, records, work / f"root-{n}-{batch}", batch)
-                bare = float(_child("bare_encoder_rate", str(model), str(n), str(batch)))
-                row = {
-                    "records": n,
-                    "batch": batch,
-                    **r,
-                    "build_rec_s": n / r["wall_s"],
-                    "bare_encoder_rec_s": bare,
-                    "ratio": (n / r["wall_s"]) / bare,
-                }
-                rows.append(row)
-                print(
-                    f"{n:>9} {batch:>6} {r['peak_rss_mb']:>12.0f} {r['wall_s']:>8.1f} "
-                    f"{row['build_rec_s']:>12.0f} {bare:>19.0f} {row['ratio']:>6.2f}"
-                )
+        figures = sweep(args, work, env) if args.sweep else engines(args, work, env)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"baseline": baseline, "runs": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps(figures, indent=2) + "\n")
     print(f"figures in {args.out}")
 
 
-def _child(func: str, *args: str) -> str:
+def _child(func: str, *args: str | int) -> str:
     """Run one of this module's functions in a fresh interpreter; its printed result back."""
     code = (
-        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-        f"import bench_indexer as b; from pathlib import Path; a = sys.argv[1:]; "
-        f"print(b.{func}(Path(a[0]), *map(int, a[1:])))"
+        f"import sys, json; sys.path[:0] = [{str(Path(__file__).parent)!r}, "
+        f"{str(Path(__file__).parents[1])!r}]; import bench_indexer as b; "
+        f"print(b.{func}(*json.loads(sys.argv[1])))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, *args],
+        [sys.executable, "-c", code, json.dumps(args)],
         check=True,
         capture_output=True,
         text=True,
-        env=os.environ,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     return out.stdout.strip().splitlines()[-1]
-
-
-def _records(work: Path, n: int) -> Path:
-    path = work / f"records-{n}.jsonl"
-    if not path.exists():
-        write_records(path, n)
-    return path
 
 
 if __name__ == "__main__":

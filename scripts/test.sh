@@ -22,7 +22,7 @@ if ! (exec 3<>/dev/tcp/127.0.0.1/6379) 2>/dev/null; then
     redis-server --daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no
 fi
 
-python3 -m pip install -q -e '.[dev]'
+python3 -m pip install -q -e '.[dev,ray]'
 set +e
 python3 -m pytest "$@"
 status=$?
