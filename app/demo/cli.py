@@ -11,6 +11,8 @@ from pathlib import Path
 
 from app.demo.data import DATASETS, WORDS, build_media
 from app.demo.pipeline import ensure_index, run_all
+from app.demo.recipe import Recipe
+from app.demo.runner import quiet_model_loading
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="interaction",
         help="which dataset the page searches (both are trained and evaluated)",
     )
-    p.add_argument("--epochs", type=int, default=12)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="training seed: with the same thread count, the same seed gives the same models",
+    )
     p.add_argument("--no-serve", action="store_true", help="build everything, then exit")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -55,10 +62,11 @@ def write_examples(data: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    quiet_model_loading()
     data = args.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = run_all(data, args.epochs, progress=not args.quiet)
+    results = run_all(data, Recipe(), args.seed, progress=not args.quiet)
     write_examples(data)
     root = ensure_index(data, args.dataset)
     log.info(

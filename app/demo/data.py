@@ -26,10 +26,19 @@ from models.extras import require
 log = logging.getLogger(__name__)
 
 WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
-TRAIN_VOICES = ["en-gb", "en-us", "en-gb-scotland", "en-029", "en-gb-x-rp+f2", "en-us+m3"]
+# Unseen voices are what limits held-out audio retrieval, so the training side gets many: 12
+# voices (accents and espeak-ng's voice variants), none of them a held-out accent or variant,
+# each at 3 speeds and 3 pitches. Training also plays every clip at a random speed
+# (app/demo/tuples.py), which costs nothing here; espeak-ng costs about 8 ms a clip.
+TRAIN_VOICES = [
+    *("en-gb", "en-us", "en-gb-scotland", "en-029", "en-gb-x-rp+f2", "en-us+m3"),
+    *("en-gb-x-gbcwmd", "en-gb-scotland+f3", "en-029+f1", "en-us+f5", "en-gb+m5", "en-us+m7"),
+]
 HELD_OUT_VOICES = ["en-us-nyc", "en-gb-x-gbclan+f4"]
-SPEEDS = (140, 175, 210)
-PITCHES = (35, 50, 65)
+PROSODY = {  # split -> (speeds in words per minute, pitches 0-99)
+    "train": ((125, 175, 225), (30, 50, 70)),
+    "held_out": ((140, 175, 210), (35, 50, 65)),
+}
 TRAIN_TEMPLATES = [
     "{w}",
     "{d}",
@@ -51,16 +60,30 @@ class DemoError(RuntimeError):
 
 
 def ensure_espeak() -> str:
-    """espeak-ng from Debian: installed on the fly where we may (root with apt-get)."""
+    """espeak-ng from Debian: installed on the fly where we may (root with apt-get).
+
+    apt-get's own output (package lists, unpacking, triggers) says nothing a demo user needs, so
+    it is captured: one notice says what happens, and only a failure shows apt-get's last lines.
+    """
     exe = shutil.which("espeak-ng")
     if exe:
         return exe
     if os.geteuid() == 0 and shutil.which("apt-get"):
-        log.info("installing espeak-ng with apt-get (Debian's speech synthesiser)")
+        print("installing espeak-ng, Debian's speech synthesiser (about a minute)...", flush=True)
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "espeak-ng"], check=False, env=env)
+        output = ""
+        # A failed update may still leave lists good enough to install from: only the install
+        # decides.
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "espeak-ng"]):
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+            output += done.stdout + done.stderr
         exe = shutil.which("espeak-ng")
+        if done.returncode != 0 or not exe:
+            tail = "\n".join(output.strip().splitlines()[-5:])
+            raise DemoError(
+                f"installing espeak-ng with apt-get failed (exit {done.returncode}); install it "
+                f"with `apt-get install espeak-ng` and run the demo again. apt-get said:\n{tail}"
+            )
     if not exe:
         raise DemoError("the demo needs espeak-ng: install it with `apt-get install espeak-ng`")
     return exe
@@ -96,10 +119,11 @@ def _write_clips(out: Path, espeak: str) -> dict[str, list[list[str]]]:
     jobs = []
     split: dict[str, list[list[str]]] = {s: [[] for _ in range(10)] for s in ("train", "held_out")}
     for name, voices in (("train", TRAIN_VOICES), ("held_out", HELD_OUT_VOICES)):
+        speeds, pitches = PROSODY[name]
         for d, word in enumerate(WORDS):
             for voice in voices:
-                for speed in SPEEDS:
-                    for pitch in PITCHES:
+                for speed in speeds:
+                    for pitch in pitches:
                         rel = f"audio/{word}_{voice.replace('+', '_')}_{speed}_{pitch}.wav"
                         split[name][d].append(rel)
                         jobs.append(
@@ -120,7 +144,7 @@ def _write_clips(out: Path, espeak: str) -> dict[str, list[list[str]]]:
     def speak(cmd: list[str]) -> None:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
-    with ThreadPoolExecutor(4) as pool:  # espeak-ng writes a clip in about 20 ms
+    with ThreadPoolExecutor(4) as pool:  # espeak-ng writes a clip in under 10 ms
         list(pool.map(speak, jobs))
     return split
 
@@ -134,16 +158,32 @@ def _texts() -> dict[str, list[list[str]]]:
     return {"train": fill(TRAIN_TEMPLATES), "held_out": fill(HELD_OUT_TEMPLATES)}
 
 
+def media_spec() -> dict[str, Any]:
+    """What the media depend on; media.json records it, and media built otherwise are redone.
+    (Through JSON, so that it compares equal to what media.json reads back.)"""
+    spec = {
+        "voices": {"train": TRAIN_VOICES, "held_out": HELD_OUT_VOICES},
+        "prosody": PROSODY,
+        "templates": {"train": TRAIN_TEMPLATES, "held_out": HELD_OUT_TEMPLATES},
+    }
+    return dict(json.loads(json.dumps(spec)))
+
+
 def build_media(out: Path) -> Media:
     """Write every image and clip once; cheap to call again (it reuses what is there)."""
     marker = out / "media.json"
     if marker.exists():
         m = json.loads(marker.read_text())
-        return Media(m["images"], m["clips"], m["texts"])
+        if m.get("spec") == media_spec():
+            return Media(m["images"], m["clips"], m["texts"])
+        log.warning("the media in %s were made by another version of the demo: redoing them", out)
+        marker.unlink()
+        for name in ("images", "audio"):
+            shutil.rmtree(out / name, ignore_errors=True)
     espeak = ensure_espeak()
     media = Media(_write_images(out), _write_clips(out, espeak), _texts())
     tmp = marker.with_suffix(".tmp")
-    tmp.write_text(json.dumps(media.__dict__))
+    tmp.write_text(json.dumps({"spec": media_spec(), **media.__dict__}))
     os.replace(tmp, marker)
     return media
 

@@ -1,7 +1,8 @@
 // The search page: plain JS against the public API; no build step.
 "use strict";
 
-const state = { info: null, examples: {}, query: {} };
+const state = { info: null, examples: {}, query: {}, searches: 0 };
+const RECORD_MS = 2000;  // long enough to start speaking after the click
 const $ = (sel) => document.querySelector(sel);
 
 function el(tag, attrs = {}, ...children) {
@@ -74,27 +75,64 @@ function audioControls(name) {
   const file = el("input", { type: "file", accept: "audio/wav,.wav" });
   file.onchange = async () => file.files[0] &&
     setValue(name, await toDataURI(file.files[0]), `uploaded ${file.files[0].name}`);
-  const rec = el("button", { type: "button" }, "record");
-  rec.onclick = () => record(name, rec);
+  const rec = el("button", { type: "button", "data-action": "record" }, "record");
+  rec.onclick = () => record(name, rec).catch((err) => {
+    rec.textContent = "record";
+    showError(`recording failed: ${err.message || err}`);
+  });
   return [ex, el("label", {}, "upload WAV ", file), " ", rec];
 }
 
+// Where speech starts: the first 10 ms frame whose RMS passes a tenth of the loudest frame's,
+// less a 30 ms margin. The model reads a fixed window from the start of a clip (the training
+// clips start within a few ms of the word), so the silence before the user speaks must go.
+function speechStart(samples, rate) {
+  const frame = Math.max(1, Math.round(rate / 100));
+  const rms = [];
+  for (let i = 0; i + frame <= samples.length; i += frame) {
+    let sum = 0;
+    for (let j = i; j < i + frame; j++) sum += samples[j] * samples[j];
+    rms.push(Math.sqrt(sum / frame));
+  }
+  const loudest = Math.max(0, ...rms);
+  if (loudest === 0) return 0;
+  const first = rms.findIndex((r) => r >= loudest / 10);
+  return Math.max(0, first * frame - Math.round(0.03 * rate));
+}
+
+function recordFor(stream, ms) {
+  return new Promise((resolve, reject) => {
+    const chunks = [];
+    const recorder = new MediaRecorder(stream);
+    recorder.ondataavailable = (e) => chunks.push(e.data);
+    recorder.onerror = (e) => reject(e.error || new Error("the recorder failed"));
+    recorder.onstop = () => resolve(new Blob(chunks, { type: recorder.mimeType }));
+    recorder.start();
+    setTimeout(() => recorder.stop(), ms);
+  });
+}
+
 async function record(name, button) {
-  if (!navigator.mediaDevices) { showError("recording needs a secure context and a microphone"); return; }
+  if (!navigator.mediaDevices || !window.MediaRecorder) {
+    throw new Error("this browser cannot record here (it needs https or localhost and a microphone)");
+  }
+  showError("");
   const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
-  const chunks = [];
-  const recorder = new MediaRecorder(stream);
-  recorder.ondataavailable = (e) => chunks.push(e.data);
-  recorder.onstop = async () => {
+  button.textContent = `recording… (${RECORD_MS / 1000} s)`;
+  let blob;
+  try {
+    blob = await recordFor(stream, RECORD_MS);
+  } finally {
     stream.getTracks().forEach((t) => t.stop());
-    const ctx = new AudioContext();
-    const audio = await ctx.decodeAudioData(await new Blob(chunks).arrayBuffer());
-    setValue(name, await toDataURI(wavBlob(audio.getChannelData(0), audio.sampleRate)), "your recording");
-    button.textContent = "record";
-  };
-  recorder.start();
-  button.textContent = "recording… (1.5 s)";
-  setTimeout(() => recorder.stop(), 1500);
+  }
+  const ctx = new AudioContext();
+  const audio = await ctx.decodeAudioData(await blob.arrayBuffer());
+  ctx.close();
+  const samples = audio.getChannelData(0);
+  const speech = samples.subarray(speechStart(samples, audio.sampleRate));
+  const seconds = (speech.length / audio.sampleRate).toFixed(1);
+  setValue(name, await toDataURI(wavBlob(speech, audio.sampleRate)), `your recording (${seconds} s)`);
+  button.textContent = "record";
 }
 
 function textControls(name, kind) {
@@ -172,6 +210,8 @@ async function search() {
     showError(String(err));
   } finally {
     $("#status").textContent = "";
+    state.searches += 1;
+    document.body.dataset.searches = String(state.searches);  // answered: results or an error
   }
 }
 

@@ -1,15 +1,39 @@
-"""Headless Chromium driving the search page (Debian's chromium and chromium-driver)."""
+"""Headless Chromium driving the search page (Debian's chromium and chromium-driver).
+
+`SearchPage` does what a user does: pick a held-out example, upload a file, record from the
+microphone (a fake capture device that plays a WAV file), search, and read the results.
+"""
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
+import wave
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+# As root, in a closed network: no sandbox, and none of Chromium's background connections.
+FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=1280,900",
+    "--autoplay-policy=no-user-gesture-required",
+)
 
-def chrome():  # type: ignore[no-untyped-def]
+
+def chrome(microphone: Path | None = None) -> Any:
+    """A headless Chromium; with `microphone`, getUserMedia is granted without a prompt and
+    records that WAV file (Chromium loops it) instead of a real device."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
@@ -18,43 +42,109 @@ def chrome():  # type: ignore[no-untyped-def]
         pytest.fail("chromium and chromium-driver are not installed (.ci/run installs them)")
     opts = webdriver.ChromeOptions()
     opts.binary_location = binary
-    # As root, in a closed network: no sandbox, and none of Chromium's background connections.
-    for flag in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--disable-dev-shm-usage",
-        "--window-size=1280,900",
-        f"--user-data-dir={tempfile.mkdtemp(prefix='hclip-chrome-')}",
-    ):
+    for flag in FLAGS:
         opts.add_argument(flag)
+    opts.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='hclip-chrome-')}")
+    if microphone is not None:
+        opts.add_argument("--use-fake-ui-for-media-stream")
+        opts.add_argument("--use-fake-device-for-media-stream")
+        opts.add_argument(f"--use-file-for-fake-audio-capture={microphone}")
     return webdriver.Chrome(options=opts, service=Service(driver))
+
+
+class SearchPage:
+    """The page at `url` in a fresh browser; use as a context manager."""
+
+    def __init__(self, url: str, microphone: Path | None = None, timeout: float = 30.0):
+        self.url, self.microphone, self.timeout = url, microphone, timeout
+
+    def __enter__(self) -> SearchPage:
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        self.driver = chrome(self.microphone)
+        try:
+            self.driver.get(self.url)
+            self.wait = WebDriverWait(self.driver, self.timeout)
+            self.wait.until(lambda d: self._css("body")[0].get_attribute("data-ready") == "1")
+        except BaseException:
+            self.driver.quit()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.driver.quit()
+
+    def _css(self, selector: str) -> list[Any]:
+        from selenium.webdriver.common.by import By
+
+        return list(self.driver.find_elements(By.CSS_SELECTOR, selector))
+
+    def chosen(self, modality: str) -> str:
+        """What the modality's box says is in the query."""
+        return str(self._css(f"#mod-{modality} .chosen")[0].text)
+
+    def _wait_chosen(self, modality: str, prefix: str) -> str:
+        self.wait.until(lambda d: self.chosen(modality).startswith(prefix))
+        return self.chosen(modality)
+
+    def pick(self, kind: str, position: int) -> None:
+        """Click the held-out example of `kind` at `position`."""
+        example = self._css(f"[data-example={kind}]")[position]
+        example.click()
+        self.wait.until(lambda d: "selected" in (example.get_attribute("class") or ""))
+
+    def upload(self, modality: str, path: Path) -> str:
+        """Choose `path` in the modality's file input, as the file dialog would."""
+        self._css(f"#mod-{modality} input[type=file]")[0].send_keys(str(path.resolve()))
+        return self._wait_chosen(modality, "uploaded")
+
+    def record(self, modality: str) -> str:
+        """Press the modality's record button and wait for the recording to become the query."""
+        self._css(f"#mod-{modality} [data-action=record]")[0].click()
+        return self._wait_chosen(modality, "your recording")
+
+    def search(self) -> list[str]:
+        """Press Search and wait for the answer; the results' texts (an error fails the test)."""
+        body = self._css("body")[0]
+        before = int(body.get_attribute("data-searches") or 0)
+        self._css("#search")[0].click()
+        self.wait.until(lambda d: int(body.get_attribute("data-searches") or 0) > before)
+        assert not self.error(), self.error()
+        return [li.text for li in self._css("#results li")]
+
+    def result_meta(self) -> str:
+        return str(self._css("#result-meta")[0].text)
+
+    def error(self) -> str:
+        e = self._css("#error")[0]
+        return "" if e.get_attribute("hidden") is not None else str(e.text)
+
+    def screenshot(self, path: Path) -> None:
+        self.driver.save_screenshot(str(path))
 
 
 def search_with_examples(url: str, screenshot: Path, picks: dict[str, int]) -> list[str]:
     """Open the page, pick the given example of each kind (kind -> position), search; the
     results' texts."""
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support import expected_conditions as ec
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    driver = chrome()
-    try:
-        driver.get(url)
-        wait = WebDriverWait(driver, 30)
-        wait.until(lambda d: d.find_element(By.TAG_NAME, "body").get_attribute("data-ready") == "1")
+    with SearchPage(url) as page:
         for kind, position in picks.items():
-            example = driver.find_elements(By.CSS_SELECTOR, f"[data-example={kind}]")[position]
-            example.click()
-            wait.until(lambda d, e=example: "selected" in (e.get_attribute("class") or ""))
-        driver.find_element(By.ID, "search").click()
-        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#results li")))
-        driver.save_screenshot(str(screenshot))
-        return [li.text for li in driver.find_elements(By.CSS_SELECTOR, "#results li")]
-    finally:
-        driver.quit()
+            page.pick(kind, position)
+        texts = page.search()
+        page.screenshot(screenshot)
+    return texts
+
+
+def microphone_wav(demo_dir: Path, example: int, out_dir: Path) -> Path:
+    """The demo's held-out audio example number `example` with silence around it: what
+    Chromium's fake microphone plays, looped (--use-file-for-fake-audio-capture)."""
+    clip = json.loads((demo_dir / "examples.json").read_text())["audio"][example]["url"]
+    with wave.open(str(demo_dir / clip.removeprefix("/media/"))) as w:
+        rate, frames = w.getframerate(), w.readframes(w.getnframes())
+    path = out_dir / "microphone.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        silence = b"\0\0" * int(0.4 * rate)
+        w.writeframes(silence + frames + silence * 3)
+    return path
