@@ -41,7 +41,7 @@ UPSERTS = "upserts.tmp"  # inside a staged update: upserts encoded before any ol
 @dataclass
 class JobOptions:
     spec: IndexSpec = field(default_factory=lambda: IndexSpec("flat"))
-    views: list[tuple[str, ...]] | None = None  # None: DESIGN §4's default set
+    views: list[tuple[str, ...]] | None = None  # None: the default set (docs/design.md §4)
     batch_size: int = 256
     skip_bad: bool = False
     progress: bool = True

@@ -24,10 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     def job_options(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
             "--spec",
-            help="flat (default) | hnsw[:M=..,ef_search=..] | ivf[:nlist=..,"
-            "nprobe=..] | ivfpq[:nlist=..,m=..,nbits=..,nprobe=..]",
+            help="flat (default) | auto[:recall=0.95] (measure and pick) | hnsw[:M=..,"
+            "ef_search=..] | ivf[:nlist=..,nprobe=..] | ivfip[:nlist=..,nprobe=..] | "
+            "ivfpq[:nlist=..,m=..,nbits=..,nprobe=..,rerank=..] | ivfsq[:nlist=..,nprobe=..]",
         )
-        sp.add_argument("--views", help="comma-separated query sets (a,b+c); default: DESIGN §4")
+        sp.add_argument(
+            "--views",
+            help="comma-separated query sets (a,b+c); default: each modality, and for 3 or more "
+            "modalities each all-but-one set",
+        )
         sp.add_argument("--batch-size", type=int, default=256)
         sp.add_argument(
             "--skip-bad",

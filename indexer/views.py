@@ -1,4 +1,4 @@
-"""View vectors (DESIGN §1, §4) from stored embeddings, one FAISS index per view, and recall.
+"""View vectors (docs/design.md §1, §4) from stored embeddings, an index per view, and recall.
 
 A view queries with modalities Q and retrieves records by the product of their T = not-Q
 modalities. Its record vectors are the head's record factor over T, computed from the stored
