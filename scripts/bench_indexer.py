@@ -302,6 +302,8 @@ def main() -> None:
     args = p.parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
     env.pop("RAY_ADDRESS", None)  # the Ray runs start their own local Ray
+    if args.work:
+        args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
         figures = sweep(args, work, env) if args.sweep else engines(args, work, env)

@@ -203,7 +203,11 @@ def cache_hit(url: str, seconds: float) -> dict[str, Any]:
 
     body = {"query": {QUERY: [0.25] * DIMS[QUERY]}, "k": 10}
     assert httpx.post(url + "/v1/search", json=body, timeout=30).json()["cached"] is False
-    assert httpx.post(url + "/v1/search", json=body, timeout=30).json()["cached"] is True
+    # Without Redis each worker has its own cache, and each new connection may land on either
+    # worker: send the query until every worker has very likely cached it.
+    cached = [httpx.post(url + "/v1/search", json=body, timeout=30).json()["cached"]
+              for _ in range(20)]  # fmt: skip
+    assert cached.count(True) >= 10, cached
     script = (
         'wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
         f"wrk.body = '{json.dumps(body)}'\n"

@@ -10,7 +10,7 @@ from typing import TypeVar, cast
 import numpy as np
 import orjson
 import torch
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from app.batching import SearchItem
@@ -37,7 +37,7 @@ from app.schemas import (
     SearchResponse,
 )
 from app.serving import ServingVersion
-from app.state import AppState, Serving, State
+from app.state import AppState, Serving, State, state_and_serving
 from indexer.filters import FilterError
 
 router = APIRouter(route_class=ApiRoute)
@@ -128,18 +128,28 @@ async def run_search(
 ) -> bytes:
     """One search, answered as the response body's bytes (errors raise ApiError)."""
     s = state.settings
+    # The result cache is looked up before the request is checked: an entry exists only for a
+    # request that was checked when it was cached (same version, same settings), and a key
+    # holds everything the answer depends on, so a hit skips the checks and the deadline
+    # (replicas that share a Redis are meant to share their settings).
+    # Each raw input is hashed once: its digest keys both caches.
+    digests = {m: await input_digest(v) for m, v in body.query.items()}
+    request = {
+        "q": digests,
+        "e": body.embeddings,
+        "k": body.k,
+        "f": body.filter_dict(),
+        "x": body.effort,
+    }
+    key = f"{s.cache_prefix}:res:{serving.version}:{digest(request)}"
+    hit = await state.cache.get(key)
+    if hit is not None:
+        state.metrics.result_hits.inc()
+        return b'{"cached":true,' + hit[1:]
     c = checked or _checked(state, serving, body)
+    state.metrics.result_misses.inc()
     view_name = c.view
     async with deadline(s.request_timeout_s, state.metrics):
-        # Each raw input is hashed once: its digest keys both caches.
-        digests = {m: await input_digest(v) for m, v in body.query.items()}
-        request = {"q": digests, "e": body.embeddings, "k": c.k, "f": c.filter, "x": c.effort}
-        key = f"{s.cache_prefix}:res:{serving.version}:{digest(request)}"
-        hit = await state.cache.get(key)
-        if hit is not None:
-            state.metrics.result_hits.inc()
-            return b'{"cached":true,' + hit[1:]
-        state.metrics.result_misses.inc()
         xq = await _query_vector(state, serving, body, c, digests)
         item = SearchItem(xq, c.k, c.filter, c.effort)
         scores, rows = await serving.searchers[view_name].submit(item)
@@ -167,7 +177,8 @@ async def run_search(
     responses=errors(400, 413, 422, 503),
     summary="Nearest records for a query of one or more modalities",
 )
-async def search(body: SearchRequest, state: State, serving: Serving) -> Response:
+async def search(body: SearchRequest, request: Request) -> Response:
+    state, serving = state_and_serving(request)
     return Response(await run_search(state, serving, body), media_type="application/json")
 
 
