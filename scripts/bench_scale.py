@@ -7,14 +7,13 @@ Prints figures; it is not a test (this machine is shared and noisy).
 Records have three 16-d `vector` modalities (a, b, c) and a small payload; the model is an
 untrained H-CLIP with d = 64. For each run it prints: the build's time and peak RSS, the
 server's time from process start to ready (/readyz 200) and how long loading the version took,
-its RSS after start, after `--searches` searches (32 concurrent, every query distinct, through
-/v1/search), and at its largest while a new version (one upserted record, so every file is
-new) is swapped in under search load; and search p50/p99 with one client. RSS is split into
-anonymous memory (the process's own) and file-backed pages (memory-mapped index files, which
-the page cache holds and any process can share). `--repo` runs another checkout's code with the
-same commands (the previous implementation, for a before/after comparison); only the command
-line and the HTTP API are used, so any version of this project runs.
-"""
+its RSS after start, after `--searches` searches (32 concurrent, every query distinct, sent by
+app.client through /v1/search), and at its largest while a new version (one upserted record, so
+every file is new) is swapped in under search load; and search p50/p99 with one client. RSS is
+split into anonymous memory (the process's own) and file-backed pages (memory-mapped index
+files, which the page cache holds and any process can share). `--repo` runs another checkout's
+code with the same commands (the previous implementation, for a before/after comparison); only
+the command line and the HTTP API are used, so any version of this project runs."""
 
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # app.client, when the package is not installed
 DIMS = {"a": 16, "b": 16, "c": 16}
 LATENT = 64
 
@@ -119,21 +119,24 @@ def queries(n: int, seed: int) -> np.ndarray:
 
 
 async def search_load(url: str, xq: np.ndarray, concurrency: int) -> list[float]:
-    import httpx
+    """Searches through the package's own client (app.client), `concurrency` at a time; no
+    retries, so that a failed search stops the benchmark instead of hiding in its latency."""
+    from app.client import AsyncClient, HclipError
 
     latencies: list[float] = []
     it = iter(range(len(xq)))
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker(client: AsyncClient) -> None:
         for i in it:
             t = time.perf_counter()
-            r = await client.post("/v1/search", json={"query": {"a": xq[i].tolist()}, "k": 10})
-            if r.status_code != 200:
-                raise SystemExit(f"search failed: {r.status_code} {r.text[:200]}")
+            try:
+                await client.search({"a": xq[i]}, k=10)
+            except HclipError as exc:
+                raise SystemExit(f"search failed: {exc}") from None
             latencies.append(time.perf_counter() - t)
 
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=600) as client:
+    async with AsyncClient(url, timeout=600, retries=0) as client:
+        await client.info()  # once, before the workers start
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     return latencies
 
