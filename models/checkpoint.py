@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +18,7 @@ from safetensors.torch import save_file
 from models.config import ConfigError, ModelConfig
 from models.model import MultimodalModel
 from models.plugins import PluginError, plugin_identity
-from models.tensor_files import check_tensors, fsync_dir, fsync_file, read_tensors
+from models.tensor_files import check_tensors, read_tensors, replace_dir
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -55,23 +52,14 @@ def save_model(
     out = Path(out)
     prepare_out_dir(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+
+    def fill(tmp: Path) -> None:
         state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "hclip"})
         config = {"format_version": FORMAT_VERSION, **model.cfg.to_dict(), **(extra or {})}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        for f in tmp.iterdir():
-            fsync_file(f)
-        fsync_dir(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-        fsync_dir(out.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+
+    return replace_dir(out, f".{out.name}.tmp-", fill)
 
 
 def read_config(model_dir: Path) -> tuple[ModelConfig, dict[str, Any]]:

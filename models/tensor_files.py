@@ -9,8 +9,10 @@ CheckpointError for a model directory and a PluginError for a plugin's tower.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -80,3 +82,23 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replace_dir(final: Path, tmp_prefix: str, fill: Callable[[Path], None]) -> Path:
+    """Write a directory beside `final` under a temporary name (`fill(tmp)` writes its files),
+    fsync it, and rename it into place: a crash at any point leaves the old `final` or the new
+    one, never a mixture, and no temporary directory unless the process itself was killed."""
+    tmp = Path(tempfile.mkdtemp(prefix=tmp_prefix, dir=final.parent))
+    try:
+        fill(tmp)
+        for f in tmp.iterdir():
+            fsync_file(f)
+        fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final

@@ -14,10 +14,8 @@ directories, checkpoints hold no pickle: tensors go to safetensors, the rest to 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from models.checkpoint import CheckpointError
-from models.tensor_files import fsync_dir, fsync_file, read_tensors
+from models.tensor_files import read_tensors, replace_dir
 
 STATE_FILE = "state.json"
 TENSORS_FILE = "tensors.safetensors"
@@ -67,22 +65,14 @@ class CheckpointStore:
     def save(self, step: int, tensors: Mapping[str, torch.Tensor], meta: dict[str, Any]) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / f"step-{step:08d}"
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=self.root))
-        try:
+
+        def fill(tmp: Path) -> None:
             cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
             save_file(cpu, str(tmp / TENSORS_FILE), metadata={"format": "hclip-train"})
             state = {"format_version": FORMAT_VERSION, "step": step, **meta}
             (tmp / STATE_FILE).write_text(json.dumps(state) + "\n")
-            for f in tmp.iterdir():
-                fsync_file(f)
-            fsync_dir(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            fsync_dir(self.root)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        replace_dir(final, f".tmp-{final.name}-", fill)
         for old in self.complete():
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
