@@ -39,6 +39,7 @@ class _Appender(ABC):
         self.path = path
         self.dim = dim
         self.rows = 0
+        self.header_len = header_len
         self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
         self._f.write(b"\0" * header_len)
 
@@ -49,6 +50,18 @@ class _Appender(ABC):
             raise ValueError(f"{self.path.name}: expected rows of width {self.dim}, got {x.shape}")
         self._f.write(x.tobytes())
         self.rows += x.shape[0]
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop as appended so far (the file is flushed first)."""
+        self._f.flush()
+        width = 1 if self.dim is None else self.dim
+        x = np.fromfile(
+            self.path,
+            dtype=self.dtype,
+            count=(stop - start) * width,
+            offset=self.header_len + start * width * self.dtype.itemsize,
+        )
+        return x if self.dim is None else x.reshape(-1, self.dim)
 
     @abstractmethod
     def _header(self) -> bytes:
@@ -118,4 +131,6 @@ class NpyRows:
         span = np.fromfile(
             self.path, dtype="<f4", count=(hi - lo) * dim, offset=self.offset + lo * dim * 4
         ).reshape(hi - lo, dim)
+        if hi - lo == idx.size and bool((np.diff(idx) == 1).all()):
+            return span  # consecutive rows, the common case: no second copy
         return span[idx - lo]

@@ -23,6 +23,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -129,10 +130,16 @@ def list_files(vdir: Path) -> list[str]:
 
 
 def file_table(vdir: Path) -> dict[str, dict[str, Any]]:
-    return {
-        rel: {"sha256": sha256_file(vdir / rel), "bytes": (vdir / rel).stat().st_size}
-        for rel in list_files(vdir)
-    }
+    """Every file's checksum and size; a file under two names (a hard link) is read once."""
+    table: dict[str, dict[str, Any]] = {}
+    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    for rel in list_files(vdir):
+        st = (vdir / rel).stat()
+        key = (st.st_dev, st.st_ino)
+        if key not in seen:
+            seen[key] = {"sha256": sha256_file(vdir / rel), "bytes": st.st_size}
+        table[rel] = dict(seen[key])
+    return table
 
 
 def publish(
@@ -144,13 +151,20 @@ def publish(
     """Checksum, fsync, check, move the staged version into versions/, then point CURRENT at
     it. `check` gets the staged directory once complete; any problem it names stops here."""
     version_id = manifest["version"]
-    manifest["files"] = file_table(stage)
+    # The checksums (hashlib, which lets go of the GIL) are taken on a second core while the
+    # check reads the same files; the check reads the manifest without its file table.
+    with ThreadPoolExecutor(1, thread_name_prefix="hclip-checksums") as pool:
+        table = pool.submit(file_table, stage)  # the manifest is not among the files
+        if check is not None:
+            (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            problems = check(stage)
+            if problems:
+                first = "; ".join(problems[:3])
+                raise ArtifactError(
+                    f"version {version_id} failed its check before publishing: {first}"
+                )
+        manifest["files"] = table.result()
     (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    if check is not None:
-        problems = check(stage)
-        if problems:
-            first = "; ".join(problems[:3])
-            raise ArtifactError(f"version {version_id} failed its check before publishing: {first}")
     fsync_tree(stage)
     final = version_dir(root, version_id)
     final.parent.mkdir(exist_ok=True)

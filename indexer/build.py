@@ -6,7 +6,6 @@ import logging
 import shutil
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,7 @@ from indexer.recordstore import RecordStore
 from indexer.sources import CHUNK_ROWS, RecordFiles
 from indexer.specs import IndexSpec
 from indexer.verify import verify_contents
-from indexer.views import StoredRows, build_view
+from indexer.views import FlatViewsWriter, StoredRows, build_view
 from models.checkpoint import fingerprint, load_model, read_config
 from models.extras import require
 from models.heads import default_views
@@ -107,24 +106,22 @@ def _engine_block(opts: JobOptions) -> dict[str, Any]:
     return {"name": "local"}
 
 
-VIEW_THREADS = 2
-
-
 def _build_views(
     stage: Path, model: MultimodalModel, stored: StoredRows, opts: JobOptions
 ) -> list[dict[str, Any]]:
-    """Every view's manifest entry, in order. Exact views are built two at a time: each is
-    torch products over chunks read from the embeddings and appended to its own file, work
-    that releases the GIL, so a second core nearly halves the time. Approximate and tuned ones
-    are built one by one: FAISS spreads one build over the cores itself, and a tuner's
-    timings must not share the machine with another view."""
+    """Every approximate or tuned view's manifest entry, in order, built one by one from the
+    stored embeddings: FAISS spreads one build over the cores itself, and a tuner's timings
+    must not share the machine with another view."""
     queries = opts.views or default_views(model.names)
+    return [build_view(stage, model.head, stored, q, opts.spec) for q in queries]
+
+
+def _views_writer(stage: Path, model: MultimodalModel, opts: JobOptions) -> FlatViewsWriter | None:
+    """Exact views are written with the rows (indexer.views.FlatViewsWriter); the others are
+    built from the stored embeddings once every row is in."""
     if not opts.spec.exact or opts.spec.tuned:
-        return [build_view(stage, model.head, stored, q, opts.spec) for q in queries]
-    with ThreadPoolExecutor(VIEW_THREADS, thread_name_prefix="hclip-view") as pool:
-        return list(
-            pool.map(lambda q: build_view(stage, model.head, stored, q, opts.spec), queries)
-        )
+        return None
+    return FlatViewsWriter(stage, model.head, opts.views or default_views(model.names), opts.spec)
 
 
 def _write_rejects(stage: Path, rejected: list[Rejected]) -> None:
@@ -145,14 +142,17 @@ def _finish(
     extra: dict[str, Any],
     fields: dict[str, dict[str, Any]],
     timings: dict[str, float],
+    written: FlatViewsWriter | None,
 ) -> JobResult:
-    """Build every view from the staged embeddings, write the manifest, check and publish."""
+    """Build every view from the staged embeddings (or finish those written with the rows),
+    write the manifest, check and publish."""
     stored = load_rows(stage, model.names, mmap=False)
     if stored.count == 0:
         raise RecordError("no valid records: nothing to index")
     start = time.perf_counter()
     views = {}
-    for entry in _build_views(stage, model, stored, opts):
+    entries = written.finish() if written else _build_views(stage, model, stored, opts)
+    for entry in entries:
         views["+".join(entry["query"])] = entry
     timings["views_s"] = time.perf_counter() - start
     _write_rejects(stage, rejected)
@@ -201,7 +201,8 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
         stage = artifact.staging_dir(root, artifact.new_version_id())
         try:
             fields = opts.filter_fields or ()
-            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields)
+            views = _views_writer(stage, model, opts)
+            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields, views)
             validator = Validator(model, files.base_dir, opts.skip_bad, fields)
             admission = Admission(files, opts.skip_bad)
             start = time.perf_counter()
@@ -214,7 +215,9 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
             parent = artifact.read_current(root)
             info = writer.store.fields_info
             rejected = admission.rejected
-            return _finish(root, stage, model, block, opts, rejected, parent, extra, info, timings)
+            return _finish(
+                root, stage, model, block, opts, rejected, parent, extra, info, timings, views
+            )
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -319,7 +322,8 @@ def update(
             deleted_found = {i for i in deleted if old_store.row_of(i) is not None}
             old_count = len(old_store)
             old_store.close()
-            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields)
+            views = _views_writer(stage, model, opts)
+            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields, views)
             try:
                 kept, dropped = _copy_rows(old, model.names, writer, deleted | replaced)
                 appended, _ = _copy_rows(side, model.names, writer)
@@ -353,6 +357,7 @@ def update(
                 extra,
                 info,
                 timings,
+                views,
             )
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)

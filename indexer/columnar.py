@@ -24,6 +24,7 @@ import orjson
 from indexer import arrow_numpy
 from indexer.encode import ARRAY_KINDS, RESERVED_KEYS, Record, Rows, Validator
 from indexer.filters import FieldsWriter, FieldValueError
+from indexer.jsonl_vectors import VectorLines
 from indexer.sources import Chunk, parquet_record, unpack
 from models.inputs import FLOAT32_MAX, InputError, decode
 from models.records import RecordError
@@ -67,10 +68,18 @@ class ChunkChecker:
         self.allowed = set(self.names) | set(RESERVED_KEYS)
         self.fields = validator.filter_fields
         self.referred = 0  # records the fast checks handed to the reference (for tests, logs)
+        self.vector_lines: VectorLines | None = None
+        if all(self.cfgs[n].kind in ARRAY_KINDS for n in self.names) and VectorLines.available():
+            dims = {n: self.cfgs[n].dim for n in self.names}
+            self.vector_lines = VectorLines({n: d for n, d in dims.items() if d is not None})
 
     def check(self, chunk: Chunk) -> Checked:
         if chunk.lines is None:
             return self._check_parquet(chunk)
+        if self.vector_lines is not None:
+            checked = self._check_vector_lines(chunk)
+            if checked is not None:
+                return checked
         # Parsed JSON costs some 3 kB a record (a Python float per number): parse a slice at a
         # time, so that a chunk in flight holds its arrays, not its objects.
         parts = [
@@ -121,6 +130,42 @@ class ChunkChecker:
                 )
             else:
                 inputs[name], presence[:, j] = self._decoded(name, values, suspect)
+        return self._finish_chunk(chunk, ids, payloads, presence, inputs, suspect)
+
+    def _check_vector_lines(self, chunk: Chunk) -> Checked | None:
+        """Records of vector modalities only, without a Python float per number
+        (indexer.jsonl_vectors); None when that path cannot take the chunk."""
+        assert chunk.lines is not None and self.vector_lines is not None
+        parsed = self.vector_lines.parse(chunk.lines)
+        if parsed is None:
+            return None
+        n, suspect = len(chunk.lines), parsed.suspect
+        ids: list[Any] = parsed.ids
+        payloads = [b""] * n
+        loads, dumps = orjson.loads, orjson.dumps
+        for i, raw in enumerate(parsed.payloads):
+            if not ids[i]:  # refused by msgspec, or an empty id
+                suspect[i] = True
+                continue
+            try:
+                payload = loads(raw) if raw else _EMPTY
+                if type(payload) is not dict or not self._fields_ok(payload):
+                    suspect[i] = True
+                    continue
+                payloads[i] = dumps(payload)  # a TypeError if the store cannot keep it
+            except (orjson.JSONDecodeError, TypeError):
+                suspect[i] = True
+        inputs: dict[str, Any] = {}
+        presence = np.zeros((n, len(self.names)), dtype=bool)
+        for j, name in enumerate(self.names):
+            values, present = parsed.vectors[name], parsed.present[name] & ~suspect
+            idx = np.flatnonzero(present)
+            ok = self._array_rows_ok(name, values[idx])
+            suspect[idx[~ok]] = True
+            present[idx[~ok]] = False
+            out = np.zeros((n, values.shape[1]), dtype=np.float32)
+            out[present] = values[present]
+            inputs[name], presence[:, j] = out, present
         return self._finish_chunk(chunk, ids, payloads, presence, inputs, suspect)
 
     def _fields_ok(self, payload: dict[str, Any]) -> bool:

@@ -8,6 +8,7 @@ per-modality embeddings in chunks; only records that have every modality of T be
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,8 +149,7 @@ def build_view(
         with NpyAppender(flat_path, dim) as w:
             for xb in factor_chunks(head, stored, rows, t, "record"):
                 w.append(xb)
-        entry["spec"] = IndexSpec("flat", {}, spec.target_recall).to_dict()
-        entry["recall_at_10"] = 1.0
+        entry |= flat_entry(spec)
         if not spec.tuned or len(rows) == 0:
             return entry
         return _tuned(vdir, head, stored, q, t, rows, entry, spec, tuning or tune.TuneOptions())
@@ -172,6 +172,99 @@ def build_view(
     entry["recall_at_10"] = measure_recall(xq, chunks, index, spec, max_norm, width, exact)
     log.info("view %s: %s recall@10 = %.3f", name, spec.kind, entry["recall_at_10"])
     return entry
+
+
+def flat_entry(spec: IndexSpec) -> dict[str, Any]:
+    """What the manifest says of a view whose flat vectors are written (an exact view, or a
+    tuned one before the tuner picks)."""
+    return {"spec": IndexSpec("flat", {}, spec.target_recall).to_dict(), "recall_at_10": 1.0}
+
+
+class FlatViewsWriter:
+    """Exact views written while the rows are: each batch of rows' record factors, computed
+    from the embeddings just encoded (in memory, not read back from the files), appended to
+    views/<name>.npy, so that no pass over the stored embeddings is left for after encoding.
+
+    The vectors are those build_view writes (the head's record factor of the same
+    embeddings; only rows that have every target modality), in the same row order.
+
+    A view whose vectors are one modality's stored embeddings as they are (H-CLIP's views
+    that query all modalities but one, when every record has that one) is not written twice:
+    its file becomes a hard link to embeddings/<modality>.npy, the same bytes. Should a batch
+    break that (a record without the modality), the view is written out from then on, its
+    earlier rows copied from the embeddings file.
+    """
+
+    def __init__(self, vdir: Path, head: Head, queries: Sequence[Sequence[str]], spec: IndexSpec):
+        assert spec.exact and not spec.tuned
+        self.vdir = vdir
+        self.head = head
+        self.spec = spec
+        self.views = [split_modalities(head.names, q) for q in queries]
+        self.columns = [[list(head.names).index(n) for n in t] for _, t in self.views]
+        self.files: list[NpyAppender | None] = [None] * len(self.views)
+        self.rows: list[list[np.ndarray]] = [[] for _ in self.views]
+        self.seen = 0
+        self.embedding_files: Mapping[str, NpyAppender] = {}  # set by the rows' writer
+
+    def _path(self, k: int) -> Path:
+        return self.vdir / "views" / f"{view_name(self.views[k][0])}.npy"
+
+    def _linked(self, k: int) -> bool:
+        """Still a candidate for a link: no vector of it written to a file of its own."""
+        t = self.views[k][1]
+        return self.files[k] is None and len(t) == 1 and t[0] in self.embedding_files
+
+    def _file(self, k: int) -> NpyAppender:
+        """The view's own file, opened on first need; rows already seen (kept as a link so
+        far) are copied into it from the embeddings file, a chunk at a time."""
+        f = self.files[k]
+        if f is not None:
+            return f
+        f = self.files[k] = NpyAppender(self._path(k), self.head.factor_dim)
+        t = self.views[k][1]
+        if self.seen and t[0] in self.embedding_files:
+            src = self.embedding_files[t[0]]
+            for start in range(0, self.seen, CHUNK):
+                f.append(src.read(start, min(start + CHUNK, self.seen)))
+        return f
+
+    @torch.no_grad()
+    def append(self, embs: Mapping[str, np.ndarray], presence: np.ndarray) -> None:
+        """Rows `seen`.. of the version: (n, d) embeddings per modality and (n, m) presence."""
+        n = presence.shape[0]
+        for k, ((_, t), cols) in enumerate(zip(self.views, self.columns, strict=True)):
+            have = presence[:, cols].all(axis=1)
+            everyone = bool(have.all())
+            idx = np.flatnonzero(have)
+            x = {m: torch.from_numpy(embs[m] if everyone else embs[m][idx]) for m in t}
+            out = self.head.record_factor(x, t).numpy()
+            self.rows[k].append(idx + self.seen)
+            if self._linked(k) and everyone and np.array_equal(out, embs[t[0]]):
+                continue
+            self._file(k).append(out)
+        self.seen += n
+
+    def close(self) -> None:
+        for f in self.files:
+            if f is not None:
+                f.close()
+
+    def finish(self) -> list[dict[str, Any]]:
+        """Close the files, link the views that are stored embeddings, write each view's
+        rows; the manifest entries, in order. The embeddings files must be closed."""
+        self.close()
+        entries = []
+        for k, ((q, t), rows) in enumerate(zip(self.views, self.rows, strict=True)):
+            if self._linked(k) and self.seen:
+                os.link(self.embedding_files[t[0]].path, self._path(k))
+            elif self.files[k] is None:
+                self._file(k).close()  # no row yet: an empty view
+            all_rows = np.concatenate([np.zeros(0, np.int64), *rows]).astype(np.int64)
+            np.save(self.vdir / "views" / f"{view_name(q)}.rows.npy", all_rows)
+            entry = {"query": list(q), "target": list(t), "count": len(all_rows)}
+            entries.append({**entry, "dim": self.head.factor_dim, **flat_entry(self.spec)})
+        return entries
 
 
 def _tuned(

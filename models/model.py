@@ -10,6 +10,7 @@ from torch import nn
 
 from models.config import ModelConfig
 from models.encoders import Encoder, build_encoder
+from models.featurizers import stack
 from models.heads import Head, build_head
 
 
@@ -36,6 +37,16 @@ class MultimodalModel(nn.Module):
     def encode(self, modality: str, items: Sequence[Any]) -> torch.Tensor:
         """(B, d) unit embeddings of decoded inputs; the service and the indexer call this."""
         return self.encoder(modality).encode(list(items))
+
+    def encode_batch(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
+        """(B, d) unit embeddings of a (B, dim) batch of fixed-length inputs (`vector` and
+        `embedding` kinds): what `encode(modality, list(batch))` returns, without splitting
+        the batch into rows for the featurizer to stack back (a third of the encoders' time
+        on 16-d inputs, measured). Kinds whose featurizer does more than stack take that path."""
+        enc = self.encoder(modality)
+        if enc.featurizer is not stack:
+            return enc.encode(list(batch))
+        return enc(batch)
 
     def forward(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Collated inputs per modality -> (B, d) embeddings per modality (training path)."""

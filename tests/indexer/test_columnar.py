@@ -134,6 +134,90 @@ def test_array_kinds_and_filter_fields(tmp_path: Path) -> None:
     assert assert_same(model, RecordFiles.resolve(tmp_path / "r.jsonl"), ("k",)) == 4
 
 
+def vector_line_cases() -> list[str]:
+    """JSON lines for emb_model_dir's model (v: 3-d vector, e: 4-d embedding): plain ones, and
+    every way a vector, a payload or an id can be odd or wrong, as text (some are not JSON)."""
+    good = [
+        json.dumps({"id": f"g{i}", "v": [i, 0.5, -1.25e-3], "e": [1, 2, 3, i], "payload": {}})
+        for i in range(6)
+    ]
+    odd_vectors = [
+        '["1", 2, 3]',  # a numeric string: numpy reads it, as decode_vector does
+        "[true, 2, 3]",
+        "[null, 2, 3]",
+        "[[1], 2, 3]",
+        "[[1, 2, 3]]",
+        "[1, 2]",
+        "[1, 2, 3, 4]",
+        "[]",
+        '{"a": 1}',
+        "5",
+        '"1,2,3"',
+        "[1e39, 0, 0]",  # beyond float32
+        "[1e400, 0, 0]",  # beyond float64
+        "[-0, 1E+2, 2.5e-1]",
+        "[ 1 ,\t2 , 3 ]",
+        "[12345678901234567890123, 0, 1]",
+        "null",
+    ]
+    lines = list(good)
+    for k, vec in enumerate(odd_vectors):
+        lines += [f'{{"id": "v{k}", "v": {vec}, "payload": {{"k": {k}}}}}', good[k % 6]]
+    lines += [
+        '{"id": "p1", "v": [1, 2, 3], "payload": null}',
+        '{"id": "p2", "v": [1, 2, 3], "payload": [1]}',
+        '{"id": "p3", "v": [1, 2, 3], "payload": "x"}',
+        '{"id": "p4", "v": [1, 2, 3], "payload": {"big": 123456789012345678901234567890}}',
+        '{"id": "p5", "v": [1, 2, 3], "payload": {"s": "\\u00e9\\n", "f": 1.0E5}}',
+        '{"id": "p6", "v": [1, 2, 3], "payload": {"a": 1}, "payload": {"b": 2}}',
+        '{"id": "", "v": [1, 2, 3]}',
+        '{"id": 7, "v": [1, 2, 3]}',
+        '{"v": [1, 2, 3]}',
+        '{"id": "u1", "v": [1, 2, 3], "smell": 1}',
+        '{"id": "u2", "v": [1, 2, 3], "smell": null}',  # a null unknown key is absent
+        '{"id": "n1", "v": [NaN, 2, 3]}',
+        '{"id": "n2", "v": [1, 2, 3]} trailing',
+        '{"id": "n3", "v": [1, 2, 3]',
+        '{"id": "g0", "v": [1, 2, 3]}',  # a duplicate id
+        '{"id": "d1", "v": null, "e": null}',  # no modality
+        '{"id": "d2", "e": [0, 0, 0, 0]}',  # an embedding needs a direction
+        "[1, 2, 3]",
+    ]
+    return lines
+
+
+@pytest.mark.parametrize("clean_first", [True, False])
+def test_vector_lines_match_the_validator(tmp_path: Path, clean_first: bool) -> None:
+    """Records of vector kinds only take indexer.jsonl_vectors: the same answers as the
+    reference for every odd case, whether a chunk holds one of them or none."""
+    model = load_model(emb_model_dir(tmp_path / "m"))
+    lines = vector_line_cases()
+    if not clean_first:
+        lines.reverse()
+    (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
+    files = RecordFiles.resolve(tmp_path / "r.jsonl")
+    checker = ChunkChecker(Validator(model, files.base_dir))
+    assert checker.vector_lines is not None  # the path under test
+    assert assert_same(model, files) >= 25
+
+
+def test_clean_vector_lines_never_reach_the_reference(tmp_path: Path) -> None:
+    model = load_model(emb_model_dir(tmp_path / "m"))
+    rows = [
+        {"id": f"r{i}", "v": [i, 1.5, -2], "e": [0.25, i, 0, 1], "payload": {"i": i}}
+        for i in range(50)
+    ]
+    rows[7].pop("e")
+    rows[9]["v"] = None
+    write_jsonl(tmp_path / "r.jsonl", rows)
+    files = RecordFiles.resolve(tmp_path / "r.jsonl")
+    checker = ChunkChecker(Validator(model, files.base_dir))
+    got = [checker.check(c) for c in files.chunks(16)]
+    assert checker.referred == 0
+    assert sum(len(c.rows) for c in got) == 50
+    assert assert_same(model, files) == 0
+
+
 def parquet_table(rows: list[dict[str, Any]], vec_type: pa.DataType) -> pa.Table:
     return pa.table(
         {

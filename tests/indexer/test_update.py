@@ -17,15 +17,20 @@ from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_re
 
 @pytest.fixture
 def encoded_items(monkeypatch) -> list[int]:
-    """Counts the inputs that go through any encoder."""
+    """Counts the inputs that go through any encoder, as rows or as a stacked batch."""
     calls: list[int] = []
-    original = MultimodalModel.encode
+    encode, encode_batch = MultimodalModel.encode, MultimodalModel.encode_batch
 
     def counting(self, modality, items):
         calls.append(len(items))
-        return original(self, modality, items)
+        return encode(self, modality, items)
+
+    def counting_batch(self, modality, batch):
+        calls.append(len(batch))
+        return encode_batch(self, modality, batch)
 
     monkeypatch.setattr(MultimodalModel, "encode", counting)
+    monkeypatch.setattr(MultimodalModel, "encode_batch", counting_batch)
     return calls
 
 
