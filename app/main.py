@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from app import errors, openapi
 from app.cache import make_cache
+from app.fastpath import SearchFastPath
 from app.metrics import Metrics
 from app.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
 from app.requests import ApiRoute
@@ -76,6 +77,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
     # outermost: every response gets its request id and the instance that answered it
     app.add_middleware(RequestContextMiddleware, instance=instance)
+    # Outermost of all: the search route's own path past the framework (app/fastpath.py).
+    app.add_middleware(
+        SearchFastPath, metrics=metrics, instance=instance, max_body_bytes=settings.max_body_bytes
+    )
     # Routes are matched in order: the search routes, the busiest, come first.
     for module in (search, ops, records):
         app.include_router(module.router)

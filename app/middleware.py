@@ -19,6 +19,24 @@ log = logging.getLogger(__name__)
 _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
 
 
+def request_id_of(scope: Scope) -> str:
+    """The client's X-Request-ID when it is a sane token, else a fresh one."""
+    for k, v in scope["headers"]:
+        if k == b"x-request-id" and _CLIENT_ID.match(v):
+            return v.decode()
+    return secrets.token_hex(8)
+
+
+def body_too_large(max_bytes: int) -> bytes:
+    """The 413 envelope of a body over HCLIP_MAX_BODY_BYTES."""
+    return orjson.dumps(
+        {
+            "error": f"request body over the limit of {max_bytes} bytes (HCLIP_MAX_BODY_BYTES)",
+            "error_type": "too_large",
+        }
+    )
+
+
 class RequestContextMiddleware:
     """Gives every request an id (the client's X-Request-ID when it is a sane token) that the
     response and any log line about it carry, and says which instance answered
@@ -35,14 +53,7 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = next(
-            (
-                v.decode()
-                for k, v in scope["headers"]
-                if k == b"x-request-id" and _CLIENT_ID.match(v)
-            ),
-            None,
-        ) or secrets.token_hex(8)
+        rid = request_id_of(scope)
         scope.setdefault("state", {})["request_id"] = rid
         header = (b"x-request-id", rid.encode())
         started = False
@@ -143,13 +154,7 @@ class BodyLimitMiddleware:
         await self.app(scope, limited_receive, guarded_send)
 
     async def _reject(self, send: Send) -> None:
-        body = orjson.dumps(
-            {
-                "error": f"request body over the limit of {self.max_bytes} bytes "
-                "(HCLIP_MAX_BODY_BYTES)",
-                "error_type": "too_large",
-            }
-        )
+        body = body_too_large(self.max_bytes)
         await send(
             {
                 "type": "http.response.start",

@@ -7,10 +7,13 @@ it is not a test (this machine is shared and noisy: compare figures taken in one
 Prints, side by side in one run:
 - the CPU, and the BLAS libraries loaded with the architecture each runs (threadpoolctl);
 - raw exact search on the view's memory-mapped vectors, one thread: FAISS one query at a time
-  (the reference for the targets), and every kernel at batch sizes 1-256 (FAISS's scan, FAISS's
-  BLAS path, torch, numpy): the table the server's router measures for itself at start-up;
+  (the reference for the targets), and every kernel at batch sizes 1-256 (FAISS's scan, its scan
+  over cache-sized blocks, its BLAS path, torch, numpy): the table the server's router measures
+  for itself at start-up;
   the same table again in a fresh process with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset,
   as on users' machines (these machines set them);
+- a search's own work on the event loop (checks, encoder, query factor), with warm caches and
+  right after a scan of the view on the other core, which evicts it from the shared cache;
 - the server (`hclip serve --workers N` for each N asked): queries per second and p50/p99 with
   1 and with 32 connections, every query distinct (nothing from the cache), and the latency
   of a cache hit. The load comes from wrk (Debian's, a C program, a Lua script drawing a fresh
@@ -114,6 +117,7 @@ def kernel_table(root: Path, seconds_each: float) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     kernels = {
         "faiss_scan": (flat.faiss_knn, flat.NEVER_BLAS),
+        "faiss_blocked": (flat.faiss_blocked, flat.NEVER_BLAS),
         "faiss_blas": (flat.faiss_knn, 0),
         "torch": (flat.torch_blocked, None),
         "numpy": (flat.numpy_blocked, None),
@@ -154,6 +158,59 @@ def kernel_table_unset_env(root: Path, seconds_each: float) -> dict[str, Any]:
     table = json.loads(out.strip().splitlines()[-1])
     table["qps"] = {k: {int(b): v for b, v in t.items()} for k, t in table["qps"].items()}
     return dict(table)
+
+
+def request_path_after_scans(root: Path, n: int = 200) -> dict[str, float]:
+    """Microseconds of a search's own work on the event loop (the checks, the encoder, the
+    query factor) with warm caches, and right after a scan of the view on another thread: the
+    scan streams the view through the last-level cache both cores share, and what the request
+    path needs is fetched from memory again."""
+    import asyncio
+    import threading
+
+    sys.path.insert(0, str(REPO))
+    from app.main import create_app
+    from app.routes import search
+    from app.schemas import SearchRequest
+    from app.settings import Settings
+
+    app = create_app(Settings(root=root, calibrate_kernels=False))
+    rng = np.random.default_rng(5)
+    bodies = [
+        SearchRequest.model_validate(
+            {"query": {QUERY: rng.uniform(-1, 1, DIMS[QUERY]).tolist()}, "k": 10}
+        )
+        for _ in range(n)
+    ]
+
+    async def measure() -> dict[str, float]:
+        async with app.router.lifespan_context(app):
+            state = app.state.hclip
+            while state.versions.current is None:
+                await asyncio.sleep(0.05)
+            serving = state.versions.current
+            view = serving.index.views[QUERY]
+            xq = rng.standard_normal((1, view.dim)).astype(np.float32)
+
+            def scan_elsewhere() -> None:
+                t = threading.Thread(target=view.search, args=(xq, 10, "faiss"))
+                t.start()
+                t.join()
+
+            out = {}
+            for label, before in (("warm", None), ("after_scan", scan_elsewhere)):
+                total = 0.0
+                for body in bodies:
+                    if before is not None:
+                        before()
+                    t0 = time.perf_counter()
+                    checked = search._checked(state, serving, body)
+                    await search._query_vector(state, serving, body, checked, {QUERY: ""})
+                    total += time.perf_counter() - t0
+                out[label] = total / n * 1e6
+            return out
+
+    return asyncio.run(measure())
 
 
 # --- the server -------------------------------------------------------------------------------
@@ -297,6 +354,7 @@ def main() -> None:
         mine = root if repo == REPO else build(REPO, work)
         figures["kernels"] = kernel_table(mine, args.seconds / 40)
         figures["kernels_blas_env_unset"] = kernel_table_unset_env(mine, args.seconds / 40)
+        figures["request_path_us"] = request_path_after_scans(mine)
         figures["served"] = {
             w: served(repo, root, w, args.seconds, args.port + i)
             for i, w in enumerate(args.workers)
@@ -307,6 +365,12 @@ def main() -> None:
     print_table("kernels, queries/s, one thread", figures["kernels"])
     print_table(
         "kernels with OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE unset", figures["kernels_blas_env_unset"]
+    )
+    rp = figures["request_path_us"]
+    print(
+        f"a search's own work on the event loop (checks, encoder, query factor): "
+        f"{rp['warm']:.0f} us with warm caches, {rp['after_scan']:.0f} us right after a scan "
+        f"of the view on the other core ({rp['after_scan'] / rp['warm']:.1f}x)"
     )
     for w, f in figures["served"].items():
         one, many, hit = f["1_connection"], f["32_connections"], f["cache_hit"]

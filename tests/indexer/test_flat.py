@@ -49,6 +49,21 @@ def test_ties_across_blocks(kernel: str) -> None:
     check(kernel, xq, xb, 20)
 
 
+def test_blocked_scan_across_many_small_blocks(monkeypatch) -> None:
+    """FAISS's blocked scan with blocks of 256 rows: ties spread over blocks, k larger than a
+    block, a last block shorter than k."""
+    monkeypatch.setattr(flat, "CACHE_BLOCK_BYTES", 1024)
+    n = 256 * 9 + 3
+    xb = np.zeros((n, 4), np.float32)
+    xb[::5, 0] = 1.0  # hundreds of rows tie for first place
+    xb[2::11, 1] = 2.0
+    xq = np.array([[1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]], np.float32)
+    check("faiss_blocked", xq, xb, 300)
+    rng = np.random.default_rng(3)
+    xb = rng.standard_normal((n, 16)).astype(np.float32)
+    check("faiss_blocked", rng.standard_normal((5, 16)).astype(np.float32), xb, 10)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_k_larger_than_the_view_and_empty_views(kernel: str) -> None:
     rng = np.random.default_rng(1)
@@ -71,7 +86,8 @@ def test_the_router_measures_and_sets_the_blas_threshold_once() -> None:
     import faiss
 
     router = flat.Router()
-    assert router.kernel_for(1) == "faiss" and router.kernel_for(64) == "torch"  # before
+    assert router.kernel_for(1) == "faiss" and router.kernel_for(8) == "faiss_blocked"  # before
+    assert router.kernel_for(64) == "torch"
     router.calibrate(32, rows=4096, budget_s=0.002)
     assert set(router.table) == set(flat.CALIBRATION_SIZES)
     assert set(router.table.values()) <= set(KERNELS)
@@ -82,3 +98,7 @@ def test_the_router_measures_and_sets_the_blas_threshold_once() -> None:
     else:
         assert threshold == router.blas_from * 32
     assert router.kernel_for(3) == router.table[2] and router.kernel_for(1000) == router.table[256]
+    # FAISS takes its BLAS path from the threshold on: its blocked scan only runs below it
+    if router.blas_from is not None:
+        above = [b for b in router.table if b >= router.blas_from]
+        assert all(router.table[b] != "faiss_blocked" for b in above)
