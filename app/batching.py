@@ -217,13 +217,18 @@ def encode_batcher(
         decoded, where = [], []
         for i, value in enumerate(values):
             try:
-                decoded.append(decode(value, cfg, base_dir=None, limits=limits))
+                # A tensor was decoded by the request's checks (app.query.check_raw); a JSON
+                # body can hold no tensor, so no raw input takes this branch undecoded.
+                if isinstance(value, torch.Tensor):
+                    decoded.append(value)
+                else:
+                    decoded.append(decode(value, cfg, base_dir=None, limits=limits))
                 where.append(i)
                 out.append(np.empty(0))
             except InputError as exc:
                 out.append(exc)
         if decoded:
-            with torch.no_grad():
+            with torch.inference_mode():
                 embs = model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
             finite = np.asarray(np.isfinite(embs).all(axis=1), dtype=bool)
             for j, i in enumerate(where):

@@ -1,4 +1,4 @@
-"""POST /v1/search answered beside the framework, not through it.
+"""POST /v1/search answered beside the framework, not through it (app.main.App puts it in front).
 
 Measured under load on a 2-core machine, two thirds of a search's event-loop time went to the
 framework around the handler: route matching, the request and response objects, dependency
@@ -39,6 +39,10 @@ PATH = "/v1/search"
 JSON_TYPES = (b"application/json", b"application/json; charset=utf-8")
 
 
+def is_fast_path(scope: Scope) -> bool:
+    return scope["type"] == "http" and scope["path"] == PATH and scope["method"] == "POST"
+
+
 class SearchFastPath:
     def __init__(self, app: ASGIApp, metrics: Metrics, instance: str = "", max_body_bytes: int = 0):
         self.app = app
@@ -50,7 +54,7 @@ class SearchFastPath:
         self._ok = metrics.requests.labels(PATH, "POST", "200")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] != PATH or scope["method"] != "POST":
+        if not is_fast_path(scope):
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()

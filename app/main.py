@@ -12,10 +12,11 @@ from collections.abc import AsyncIterator
 import faiss
 import torch
 from fastapi import FastAPI
+from starlette.types import Receive, Scope, Send
 
 from app import errors, openapi
 from app.cache import make_cache
-from app.fastpath import SearchFastPath
+from app.fastpath import SearchFastPath, is_fast_path
 from app.metrics import Metrics
 from app.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
 from app.requests import ApiRoute
@@ -27,6 +28,24 @@ from app.state import AppState
 from app.workers import WorkerPools
 
 log = logging.getLogger(__name__)
+
+
+class App(FastAPI):
+    """FastAPI, with POST /v1/search taken before the framework's own layers (its telemetry,
+    error and body-limit middlewares, routing): see app/fastpath.py."""
+
+    fast_path: SearchFastPath | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.fast_path is not None and is_fast_path(scope):
+            scope["app"] = self
+            await self.fast_path(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    async def routed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The request through the whole FastAPI stack (what the fast path hands on)."""
+        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -62,7 +81,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             pools.shutdown()
             metrics.worker_exited()
 
-    app = FastAPI(
+    app = App(
         title="H-CLIP retrieval",
         version="0.1.0",
         description="Search records of several modalities with a Hadamard-CLIP model. Errors "
@@ -77,9 +96,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
     # outermost: every response gets its request id and the instance that answered it
     app.add_middleware(RequestContextMiddleware, instance=instance)
-    # Outermost of all: the search route's own path past the framework (app/fastpath.py).
-    app.add_middleware(
-        SearchFastPath, metrics=metrics, instance=instance, max_body_bytes=settings.max_body_bytes
+    # In front of the whole stack: the search route's own path past the framework.
+    app.fast_path = SearchFastPath(
+        app.routed, metrics=metrics, instance=instance, max_body_bytes=settings.max_body_bytes
     )
     # Routes are matched in order: the search routes, the busiest, come first.
     for module in (search, ops, records):

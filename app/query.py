@@ -78,9 +78,12 @@ def query_modalities(
 
 def check_raw(
     serving: ServingVersion, modality: str, value: Any, field: str, limits: InputLimits
-) -> None:
+) -> Any:
     """What can be checked of a raw input before it is queued: its type, and for the cheap
-    kinds (texts, vectors) the value itself. Media are decoded by their encoder's thread."""
+    kinds (texts, vectors) the value itself. Media are decoded by their encoder's thread.
+
+    Returns the decoded input of a `vector` modality (its encoder runs inline and takes it as
+    it is, instead of decoding the numbers a second time), else None."""
     cfg = serving.model.cfg.modalities[modality]
     # A client must not make the server read its own files: media come inline only.
     if cfg.kind in ("image", "audio"):
@@ -88,9 +91,11 @@ def check_raw(
             raise InvalidInput(f"{field}: {cfg.kind} must be a base64 data: URI")
     elif cfg.kind in ("text", "vector", "embedding"):
         try:
-            decode(value, cfg, base_dir=None, limits=limits)
+            decoded = decode(value, cfg, base_dir=None, limits=limits)
         except InputError as exc:
             raise as_api_error(field, exc) from None
+        return decoded if cfg.kind == "vector" else None
+    return None
 
 
 def check_embedding(field: str, value: list[float], d: int, max_abs: float) -> torch.Tensor:

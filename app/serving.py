@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,8 +25,8 @@ from app.metrics import Metrics
 from app.settings import Settings
 from app.workers import WorkerPools
 from indexer import artifact
-from indexer.flat import Router
-from indexer.reader import LoadedVersion
+from indexer.flat import HALVES_MIN_ROWS, Router
+from indexer.reader import LoadedVersion, View
 from indexer.verify import verify_contents, verify_files
 from models.checkpoint import fingerprint, load_model
 from models.model import MultimodalModel
@@ -97,6 +99,10 @@ class VersionManager:
         self._lock = asyncio.Lock()
         self._blas_threshold_set = False
         self.routers: dict[int, Router] = {}  # vector width -> exact kernels by batch size
+        # Searches between their checks and their answer, in this process (app.routes.search
+        # counts them): one alone may use both cores.
+        self.searches_in_flight = 0
+        self._cores = len(os.sched_getaffinity(0))
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers."""
@@ -143,6 +149,23 @@ class VersionManager:
             self.routers[dim] = router
         return router
 
+    def _kernels(self, router: Router | None, view: View) -> Callable[[int], str]:
+        """Batch size -> exact kernel: the router's choice, except that a search alone in this
+        process scans a large view on two threads (indexer.flat.faiss_halves), when allowed
+        and two cores are there to use."""
+        if router is None:
+            return lambda n: "faiss"
+        if not (self.settings.split_lone_search and self._cores >= 2):
+            return router.kernel_for
+        large = view.vectors is not None and view.vectors.shape[0] >= HALVES_MIN_ROWS
+
+        def kernel_for(n: int) -> str:
+            if n == 1 and large and self.searches_in_flight <= 1:
+                return "faiss_halves"
+            return router.kernel_for(n)
+
+        return kernel_for
+
     def _serving(self, index: LoadedVersion, model: MultimodalModel) -> ServingVersion:
         s = self.settings
         serving = ServingVersion(index, model)
@@ -151,8 +174,7 @@ class VersionManager:
             router = self._router(view.dim) if view.vectors is not None else None
             serving.searchers[name] = search_batcher(
                 view, self.pools.faiss, s.batch_max, wait_s, self.metrics.batch_size.observe,
-                s.max_pending, router.kernel_for if router else lambda n: "faiss",
-                index.mask_of,
+                s.max_pending, self._kernels(router, view), index.mask_of,
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:

@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")
     faiss_threads: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
+    split_lone_search: bool = Field(
+        True,
+        description="a search alone in its process scans a large exact view on two threads",
+    )
     calibrate_kernels: bool = Field(
         True,
         description="time the exact search kernels at start-up (about half a second on the "

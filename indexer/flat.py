@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import faiss
@@ -62,6 +63,38 @@ def faiss_blocked(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, n
     keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
     scores, pos = np.take_along_axis(scores, keep, 1), np.take_along_axis(pos, keep, 1)
     order = np.argsort(-scores, axis=1, kind="stable")
+    return np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1)
+
+
+HALVES_MIN_ROWS = 8192  # below this a second thread costs more than it saves
+_half_pool: ThreadPoolExecutor | None = None
+
+
+def _second_thread() -> ThreadPoolExecutor:
+    global _half_pool
+    if _half_pool is None:
+        _half_pool = ThreadPoolExecutor(
+            1, thread_name_prefix="faiss-half", initializer=faiss.omp_set_num_threads, initargs=(1,)
+        )
+    return _half_pool
+
+
+def faiss_halves(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS's scan with the rows in two halves, the second scanned on a thread of its own
+    while the caller scans the first (FAISS releases the GIL). A lone query is bound by one
+    core's memory bandwidth; on an idle server the other core is free (measured on a 100k x 128
+    view: 1.7-1.9 ms against 2.3-2.5 for the plain scan). The same work spread over two cores,
+    so only for a search that has the server to itself: on a busy one, the second thread takes
+    the core another search needs (measured: 2 workers at 32 connections fell from 1,170 to 770
+    queries/s when every lone query was split)."""
+    if xb.shape[0] < HALVES_MIN_ROWS:
+        return faiss_knn(xq, xb, k)
+    half = xb.shape[0] // 2
+    second = _second_thread().submit(faiss_knn, xq, xb[half:], k)
+    s1, i1 = faiss_knn(xq, xb[:half], k)
+    s2, i2 = second.result()
+    scores, pos = np.concatenate([s1, s2], 1), np.concatenate([i1, i2 + half], 1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
     return np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1)
 
 
@@ -116,6 +149,7 @@ def numpy_blocked(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, n
 KERNELS: dict[str, Kernel] = {
     "faiss": faiss_knn,
     "faiss_blocked": faiss_blocked,
+    "faiss_halves": faiss_halves,
     "torch": torch_blocked,
     "numpy": numpy_blocked,
 }

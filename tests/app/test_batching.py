@@ -82,3 +82,38 @@ def test_k_beyond_the_view_returns_what_there_is(k: int, kernel: str) -> None:
     view = View("a", ("a",), ("b",), IndexSpec("flat"), np.array([7, 9]), 2, vectors=xb)
     _, rows = view.search(np.array([[1.0, 0.5]], dtype=np.float32), k, kernel)
     assert rows.tolist() == [[7, 9][: min(k, 2)]]
+
+
+def test_a_lone_search_scans_on_two_threads_and_a_busy_server_follows_the_router(
+    tmp_path,
+) -> None:
+    import os
+
+    from app.metrics import Metrics
+    from app.serving import VersionManager
+    from app.settings import Settings
+    from app.workers import WorkerPools
+    from indexer import flat
+
+    router = flat.Router(table={1: "faiss", 2: "faiss_blocked"})
+
+    def view(rows: int) -> View:
+        xb = np.zeros((rows, 4), np.float32)
+        return View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(rows), 4, vectors=xb)
+
+    pools = WorkerPools(1, 1)
+    try:
+        manager = VersionManager(Settings(root=tmp_path), Metrics(), pools)
+        kernel_for = manager._kernels(router, view(flat.HALVES_MIN_ROWS))
+        manager.searches_in_flight = 1  # this search alone
+        two_cores = len(os.sched_getaffinity(0)) >= 2
+        assert kernel_for(1) == ("faiss_halves" if two_cores else "faiss")
+        assert kernel_for(2) == "faiss_blocked"
+        manager.searches_in_flight = 2  # another search under way: one thread each
+        assert kernel_for(1) == "faiss"
+        manager.searches_in_flight = 1
+        assert manager._kernels(router, view(100))(1) == "faiss"  # too small to split
+        off = VersionManager(Settings(root=tmp_path, split_lone_search=False), Metrics(), pools)
+        assert off._kernels(router, view(flat.HALVES_MIN_ROWS))(1) == "faiss"
+    finally:
+        pools.shutdown()
