@@ -29,6 +29,7 @@ from indexer.flat import HALVES_MIN_ROWS, Router
 from indexer.reader import LoadedVersion, View
 from indexer.verify import verify_contents, verify_files
 from models.checkpoint import fingerprint, load_model
+from models.heads import HClipHead
 from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,11 @@ class ServingVersion:
         default_factory=dict
     )  # one per view
     encoders: dict[str, MicroBatcher[Any, np.ndarray]] = field(default_factory=dict)
+    # H-CLIP's and Symile's omega, taken once: their query factor is then omega times the
+    # Hadamard product, in numpy, the same float32 products torch makes (docs/design.md §1),
+    # without torch's dispatch per request (measured: 10 us warm, 150 us once a scan has
+    # evicted torch from the cache). None for the heads whose factor is more than that.
+    omega: np.ndarray | None = None
 
     @property
     def version(self) -> str:
@@ -169,6 +175,9 @@ class VersionManager:
     def _serving(self, index: LoadedVersion, model: MultimodalModel) -> ServingVersion:
         s = self.settings
         serving = ServingVersion(index, model)
+        head = model.head
+        if isinstance(head, HClipHead):  # Symile is one too, with omega's direction fixed
+            serving.omega = head.omega.detach().numpy().astype(np.float32)
         wait_s = s.batch_wait_ms / 1000.0
         for name, view in index.views.items():
             router = self._router(view.dim) if view.vectors is not None else None

@@ -92,9 +92,15 @@ async def _query_vector(
     raw = [await encodes[0]] if len(encodes) == 1 else await gather_all(encodes)
     embs = {**checked.given, **dict(zip(body.query, raw, strict=True))}
     modalities = tuple(checked.view.split("+"))
-    with torch.inference_mode():  # no autograd bookkeeping: a fifth of a small model's time
-        q = serving.model.head.query_factor({m: e[None] for m, e in embs.items()}, modalities)
-    xq = q[0].numpy().astype(np.float32)  # (D,)
+    if serving.omega is not None:
+        product = embs[modalities[0]].numpy()
+        for m in modalities[1:]:
+            product = product * embs[m].numpy()
+        xq = serving.omega * product  # what HClipHead.query_factor computes, in the same order
+    else:
+        with torch.inference_mode():  # no autograd bookkeeping: a fifth of a small model's time
+            q = serving.model.head.query_factor({m: e[None] for m, e in embs.items()}, modalities)
+        xq = q[0].numpy().astype(np.float32)  # (D,)
     if not np.isfinite(xq).all():
         field = "embeddings" if body.embeddings else "query"
         raise InvalidInput(f"{field}: the query's vector is not finite (values too large?)")

@@ -154,3 +154,48 @@ def test_stopping_redis_mid_test_produces_no_5xx(vector_index) -> None:
         with private_redis(port):  # Redis comes back on the same port: so does the cache
             wait_until(lambda: search(2)["cached"] is True, timeout=10)
         assert redis.Redis(port=6379).ping()
+
+
+@pytest.mark.parametrize("head", ["hclip", "symile", "sum_of_pairs"])
+def test_the_served_query_factor_is_the_heads_bit_for_bit(tmp_path: Path, head: str) -> None:
+    """H-CLIP's and Symile's factor is computed in numpy by the service (app.serving
+    ServingVersion.omega): the same float32 products as the head's torch code, in the same
+    order, so every score is the one the model defines."""
+    import asyncio
+    import itertools
+
+    from app.routes.search import Checked, _query_vector
+    from app.schemas import SearchRequest
+    from tests.conftest import DIMS, make_model_dir
+
+    root = tmp_path / "root"
+    model_dir = make_model_dir(tmp_path / "model", head=head)
+    rows = records_v("q", n=40)
+    build_index(root, model_dir, rows, tmp_path)
+    model = load_model(model_dir)
+    from app.main import create_app
+
+    app = create_app(settings_for(root))
+
+    async def factors() -> None:
+        async with app.router.lifespan_context(app):
+            state = app.state.hclip
+            while state.versions.current is None:
+                await asyncio.sleep(0.02)
+            serving = state.versions.current
+            assert (serving.omega is not None) == (head in ("hclip", "symile"))
+            rng = np.random.default_rng(4)
+            for r in (1, 2):
+                for names in itertools.combinations(sorted(DIMS), r):
+                    given = {n: rng.standard_normal(8).astype(np.float32) for n in names}
+                    body = SearchRequest(embeddings={n: v.tolist() for n, v in given.items()})
+                    tensors = {n: torch.from_numpy(v) for n, v in given.items()}
+                    view = "+".join(names)
+                    checked = Checked(view, 5, None, None, tensors, {})
+                    got = await _query_vector(state, serving, body, checked, {})
+                    with torch.no_grad():
+                        batch = {n: t[None] for n, t in tensors.items()}
+                        want = model.head.query_factor(batch, names)
+                    assert np.array_equal(got, want[0].numpy()), (head, names)
+
+    asyncio.run(factors())
