@@ -7,9 +7,9 @@ it is not a test (this machine is shared and noisy: compare figures taken in one
 Prints, side by side in one run:
 - the CPU, and the BLAS libraries loaded with the architecture each runs (threadpoolctl);
 - raw exact search on the view's memory-mapped vectors, one thread: FAISS one query at a time
-  (the reference for the targets), and every kernel at batch sizes 1-256 (FAISS's scan, its scan
-  over cache-sized blocks, its BLAS path, torch, numpy): the table the server's router measures
-  for itself at start-up;
+  (the reference for the targets: the median of five 1-second rounds), and every kernel at
+  batch sizes 1-256 (FAISS's scan, its scan over cache-sized blocks, its BLAS path, torch,
+  numpy): the table the server's router measures for itself at start-up;
   the same table again in a fresh process with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset,
   as on users' machines (these machines set them);
 - a search's own work on the event loop (checks, encoder, query factor), with warm caches and
@@ -140,6 +140,31 @@ def kernel_table(root: Path, seconds_each: float) -> dict[str, Any]:
         if i.get("user_api") == "blas"
     ]
     return {"qps": table, "blas": libs, "n": int(xb.shape[0]), "d": int(xb.shape[1])}
+
+
+def raw_single_query(root: Path, seconds: float, rounds: int = 5) -> dict[str, float]:
+    """The targets' reference: FAISS's scan, one query at a time, one thread, on the view; the
+    median of `rounds` rounds of `seconds` each (the kernel table's 0.2 s cells moved it by
+    +-10% between runs on this shared machine), with the spread."""
+    import faiss
+
+    sys.path.insert(0, str(REPO))
+    from indexer import flat
+
+    faiss.omp_set_num_threads(1)
+    faiss.cvar.distance_compute_blas_threshold = flat.NEVER_BLAS
+    xb = view_vectors(root)
+    np.asarray(xb).sum()
+    rng = np.random.default_rng(9)
+    queries = rng.standard_normal((256, xb.shape[1])).astype(np.float32)
+    rates = []
+    for _ in range(rounds):
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            flat.faiss_knn(queries[done % 256][None], xb, 10)
+            done += 1
+        rates.append(done / (time.perf_counter() - t0))
+    return {"qps": float(np.median(rates)), "min": min(rates), "max": max(rates)}
 
 
 def kernel_table_unset_env(root: Path, seconds_each: float) -> dict[str, Any]:
@@ -355,13 +380,18 @@ def main() -> None:
         figures["kernels"] = kernel_table(mine, args.seconds / 40)
         figures["kernels_blas_env_unset"] = kernel_table_unset_env(mine, args.seconds / 40)
         figures["request_path_us"] = request_path_after_scans(mine)
+        figures["raw_single_query"] = raw_single_query(mine, args.seconds / 8)
         figures["served"] = {
             w: served(repo, root, w, args.seconds, args.port + i)
             for i, w in enumerate(args.workers)
         }
-    raw = figures["kernels"]["qps"]["faiss_scan"][1]
+    ref = figures["raw_single_query"]
+    raw = ref["qps"]
     print(f"CPU: {figures['cpu']}; checkout served: {repo}")
-    print(f"raw FAISS, one query at a time, one thread: {raw:.0f} queries/s ({1e3 / raw:.2f} ms)")
+    print(
+        f"raw FAISS, one query at a time, one thread: {raw:.0f} queries/s ({1e3 / raw:.2f} ms; "
+        f"median of 5 rounds of {args.seconds / 8:g} s, {ref['min']:.0f}-{ref['max']:.0f})"
+    )
     print_table("kernels, queries/s, one thread", figures["kernels"])
     print_table(
         "kernels with OPENBLAS_CORETYPE, OPENBLAS_L2_SIZE unset", figures["kernels_blas_env_unset"]
