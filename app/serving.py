@@ -155,20 +155,22 @@ class VersionManager:
             self.routers[dim] = router
         return router
 
-    def _kernels(self, router: Router | None, view: View) -> Callable[[int], str]:
-        """Batch size -> exact kernel: the router's choice, except that a search alone in this
-        process scans a large view on two threads (indexer.flat.faiss_halves), when allowed
-        and two cores are there to use."""
+    def _splits(self, router: Router | None, view: View) -> Callable[[], bool]:
+        """Whether a search now has this process to itself and may scan `view` on two
+        threads (indexer.flat.faiss_halves): when allowed, with two cores to use, on an exact
+        view large enough to gain from it."""
+        large = view.vectors is not None and view.vectors.shape[0] >= HALVES_MIN_ROWS
+        if router is None or not large or not self.settings.split_lone_search or self._cores < 2:
+            return lambda: False
+        return lambda: self.searches_in_flight <= 1
+
+    def _kernels(self, router: Router | None, alone: Callable[[], bool]) -> Callable[[int], str]:
+        """Batch size -> exact kernel: the router's choice, except for a search alone."""
         if router is None:
             return lambda n: "faiss"
-        if not (self.settings.split_lone_search and self._cores >= 2):
-            return router.kernel_for
-        large = view.vectors is not None and view.vectors.shape[0] >= HALVES_MIN_ROWS
 
         def kernel_for(n: int) -> str:
-            if n == 1 and large and self.searches_in_flight <= 1:
-                return "faiss_halves"
-            return router.kernel_for(n)
+            return "faiss_halves" if n == 1 and alone() else router.kernel_for(n)
 
         return kernel_for
 
@@ -181,9 +183,10 @@ class VersionManager:
         wait_s = s.batch_wait_ms / 1000.0
         for name, view in index.views.items():
             router = self._router(view.dim) if view.vectors is not None else None
+            alone = self._splits(router, view)
             serving.searchers[name] = search_batcher(
                 view, self.pools.faiss, s.batch_max, wait_s, self.metrics.batch_size.observe,
-                s.max_pending, self._kernels(router, view), index.mask_of,
+                s.max_pending, self._kernels(router, alone), index.mask_of, alone,
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:

@@ -104,16 +104,49 @@ def test_a_lone_search_scans_on_two_threads_and_a_busy_server_follows_the_router
     pools = WorkerPools(1, 1)
     try:
         manager = VersionManager(Settings(root=tmp_path), Metrics(), pools)
-        kernel_for = manager._kernels(router, view(flat.HALVES_MIN_ROWS))
+        alone = manager._splits(router, view(flat.HALVES_MIN_ROWS))
+        kernel_for = manager._kernels(router, alone)
         manager.searches_in_flight = 1  # this search alone
         two_cores = len(os.sched_getaffinity(0)) >= 2
+        assert alone() == two_cores
         assert kernel_for(1) == ("faiss_halves" if two_cores else "faiss")
         assert kernel_for(2) == "faiss_blocked"
         manager.searches_in_flight = 2  # another search under way: one thread each
-        assert kernel_for(1) == "faiss"
+        assert not alone() and kernel_for(1) == "faiss"
         manager.searches_in_flight = 1
-        assert manager._kernels(router, view(100))(1) == "faiss"  # too small to split
+        assert not manager._splits(router, view(100))()  # too small to split
+        assert not manager._splits(None, view(flat.HALVES_MIN_ROWS))()  # approximate
         off = VersionManager(Settings(root=tmp_path, split_lone_search=False), Metrics(), pools)
-        assert off._kernels(router, view(flat.HALVES_MIN_ROWS))(1) == "faiss"
+        assert not off._splits(router, view(flat.HALVES_MIN_ROWS))()
     finally:
         pools.shutdown()
+
+
+def test_a_lone_plain_search_runs_on_the_event_loop_and_others_on_the_executor() -> None:
+    import threading
+
+    rng = np.random.default_rng(1)
+    xb = rng.standard_normal((300, 4)).astype(np.float32)
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(300), 4, vectors=xb)
+    threads: list[str] = []
+    solo = [True]
+
+    def kernel_for(n: int) -> str:
+        threads.append(threading.current_thread().name)
+        return "faiss"
+
+    async def main() -> None:
+        b = search_batcher(
+            view, ThreadPoolExecutor(1, thread_name_prefix="pool"), 64, 0.0, lambda n: None,
+            kernel_for=kernel_for, alone=lambda: solo[0],
+        )  # fmt: skip
+        await b.submit(SearchItem(xb[0], 3))  # alone: on the loop
+        solo[0] = False
+        await b.submit(SearchItem(xb[1], 3))  # not alone: on the executor
+        solo[0] = True
+        await asyncio.gather(*(b.submit(SearchItem(xb[i], 3)) for i in range(4)))  # a batch
+
+    asyncio.run(main())
+    main_thread = threading.main_thread().name
+    assert threads[0] == main_thread
+    assert threads[1].startswith("pool") and threads[2].startswith("pool")
