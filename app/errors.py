@@ -84,6 +84,11 @@ def request_id(request: Request) -> str | None:
     return rid
 
 
+def retry_after(seconds: float) -> str:
+    """The Retry-After header's value: whole seconds, at least one."""
+    return str(max(1, round(seconds)))
+
+
 def envelope(
     status: int,
     error_type: str,
@@ -94,7 +99,7 @@ def envelope(
 ) -> JSONResponse:
     h = dict(headers or {})
     if retry_after_s is not None:
-        h["Retry-After"] = str(max(1, round(retry_after_s)))
+        h["Retry-After"] = retry_after(retry_after_s)
     body = {"error": message, "error_type": error_type, "request_id": rid}
     return JSONResponse(body, status_code=status, headers=h)
 

@@ -37,6 +37,13 @@ def body_too_large(max_bytes: int) -> bytes:
     )
 
 
+def internal_error_body(rid: str) -> bytes:
+    """The 500 envelope: no detail of the bug, only the request id to find it in the log."""
+    return orjson.dumps(
+        {"error": "internal error", "error_type": "internal_error", "request_id": rid}
+    )
+
+
 class RequestContextMiddleware:
     """Gives every request an id (the client's X-Request-ID when it is a sane token) that the
     response and any log line about it carry, and says which instance answered
@@ -71,9 +78,7 @@ class RequestContextMiddleware:
             log.exception("request %s %s %s failed", rid, scope["method"], scope["path"])
             if started:
                 raise  # headers are out: nothing better to do than let the server close it
-            body = orjson.dumps(
-                {"error": "internal error", "error_type": "internal_error", "request_id": rid}
-            )
+            body = internal_error_body(rid)
             await send(
                 {
                     "type": "http.response.start",
