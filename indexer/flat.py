@@ -53,15 +53,21 @@ def faiss_blocked(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, n
     block = max(256, CACHE_BLOCK_BYTES // (4 * max(1, xb.shape[1])))
     if xb.shape[0] <= block:
         return faiss_knn(xq, xb, k)
-    parts_s, parts_i = [], []
+    parts = []
     for start in range(0, xb.shape[0], block):
         part = xb[start : start + block]
         s, i = faiss_knn(xq, part, min(k, part.shape[0]))
-        parts_s.append(s)
-        parts_i.append(i + start)
-    scores, pos = np.concatenate(parts_s, 1), np.concatenate(parts_i, 1)
-    keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
-    scores, pos = np.take_along_axis(scores, keep, 1), np.take_along_axis(pos, keep, 1)
+        parts.append((s, i + start))
+    return _merged(parts, k)
+
+
+def _merged(parts: list[tuple[np.ndarray, np.ndarray]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top k, best first, of each part's top-k (scores, positions in the whole view)."""
+    scores = np.concatenate([s for s, _ in parts], 1)
+    pos = np.concatenate([i for _, i in parts], 1)
+    if scores.shape[1] > k:
+        keep = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        scores, pos = np.take_along_axis(scores, keep, 1), np.take_along_axis(pos, keep, 1)
     order = np.argsort(-scores, axis=1, kind="stable")
     return np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1)
 
@@ -90,12 +96,10 @@ def faiss_halves(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np
     if xb.shape[0] < HALVES_MIN_ROWS:
         return faiss_knn(xq, xb, k)
     half = xb.shape[0] // 2
-    second = _second_thread().submit(faiss_knn, xq, xb[half:], k)
-    s1, i1 = faiss_knn(xq, xb[:half], k)
+    second = _second_thread().submit(faiss_knn, xq, xb[half:], min(k, xb.shape[0] - half))
+    s1, i1 = faiss_knn(xq, xb[:half], min(k, half))
     s2, i2 = second.result()
-    scores, pos = np.concatenate([s1, s2], 1), np.concatenate([i1, i2 + half], 1)
-    order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
-    return np.take_along_axis(scores, order, 1), np.take_along_axis(pos, order, 1)
+    return _merged([(s1, i1), (s2, i2 + half)], k)
 
 
 def torch_blocked(
