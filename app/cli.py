@@ -12,6 +12,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from app.logs import configure_logging
+
 
 def build_parser() -> argparse.ArgumentParser:
     from models import bench_expressivity, train_cli
@@ -67,10 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from models.train_cli import USER_ERRORS
 
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args))
     except (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError, ExtraMissing) as exc:

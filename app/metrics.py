@@ -56,11 +56,12 @@ class Metrics:
         )
         self.version = Gauge(
             "hclip_index_version_info",
-            "the loaded index version (value 1)",
+            "the loaded index version (value 1; under --workers, a version left reads 0)",
             ["version"],
             registry=r,
             multiprocess_mode="liveall",
         )
+        self._loaded: str | None = None  # the version set to 1 last
         self.reloads = Counter("hclip_reloads_total", "version loads", ["outcome"], registry=r)
         self.load_seconds = Gauge(
             "hclip_version_load_seconds",
@@ -82,8 +83,17 @@ class Metrics:
         )
 
     def set_version(self, version: str) -> None:
-        self.version.clear()
+        if multiprocess():
+            # Each worker's values live in the shared directory's files, which clear() does
+            # not touch (prometheus-client keeps them): the version this worker leaves reads 0,
+            # or /metrics would go on reporting it as loaded beside the new one.
+            # (The files keep every label a worker has set: one series per version it loaded.)
+            if self._loaded is not None and self._loaded != version:
+                self.version.labels(version=self._loaded).set(0)
+        else:
+            self.version.clear()
         self.version.labels(version=version).set(1)
+        self._loaded = version
 
     def render(self) -> bytes:
         if multiprocess():

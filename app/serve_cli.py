@@ -53,7 +53,7 @@ def serve(settings: Settings) -> None:
     log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
     try:
         uvicorn.run(
-            "app.main:create_app",
+            "app.main:worker_app",
             factory=True,
             host=settings.host,
             port=settings.port,

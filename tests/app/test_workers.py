@@ -68,6 +68,8 @@ def two_workers(tmp_path: Path, vector_index):
             proc.kill()
             _, err = proc.communicate()
         assert proc.returncode == 0, err[-2000:]
+        # each worker logs its own lines (a fresh interpreter: app.main.worker_app sets it up)
+        assert err.count("INFO app.main: index root") == 2, err[-2000:]
         metrics_dirs = re.findall(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", err)
         assert all(not Path(d).exists() for d in metrics_dirs)
 
@@ -109,5 +111,9 @@ def test_two_workers_serve_swap_and_count(two_workers) -> None:
         return updated == seen
 
     wait_until(both_swapped, timeout=30)
+    # every worker reports the new version as loaded, and none the old one any more
+    text = fresh(url, "GET", "/metrics").text
+    loaded = re.findall(r'hclip_index_version_info\{[^}]*version="([^"]+)"[^}]*\} (\S+)', text)
+    assert sorted(v for v, value in loaded if float(value) == 1) == [v2, v2], loaded
     r = fresh(url, "POST", "/v1/search", json={"query": {"a": probes[0]["a"]}, "k": 3})
     assert {h["payload"]["version_tag"] for h in r.json()["results"]} == {"v2"}
