@@ -160,11 +160,12 @@ def search_batcher(
     kernel_for: Callable[[int], str] = lambda n: "faiss",
     mask_of: Callable[[View, dict[str, Any]], np.ndarray] | None = None,
     alone: Callable[[], bool] = lambda: False,
+    on_loop: Callable[[], bool] = lambda: False,
 ) -> MicroBatcher[SearchItem, SearchResult]:
     """Plain queries of one batch go to the view together, to the exact kernel that
     `kernel_for(batch size)` names (indexer.flat.Router); a query with a filter or its own
-    effort is searched on its own, its filter evaluated here, on the worker thread (a pass over
-    the field columns), not on the event loop."""
+    effort is searched on its own, its filter evaluated here, where the batch runs (a pass over
+    the field columns): on the FAISS thread, or on the event loop when `on_loop()` says so."""
 
     def run(items: list[SearchItem]) -> list[SearchResult | Exception]:
         out: list[SearchResult | Exception] = [(np.empty(0), np.empty(0))] * len(items)
@@ -187,10 +188,14 @@ def search_batcher(
         return out
 
     def inline(items: list[SearchItem]) -> bool:
-        # A plain query alone in the process is searched from the event loop itself, which
-        # has nothing else to do: it scans one half of the view while a second thread scans
-        # the other (kernel_for(1) says so), sparing the hop to the FAISS thread and back
-        # (measured: 0.23 ms of a 2.3 ms search). Anything else waits for the FAISS thread.
+        # Every batch runs on the event loop when on_loop() says so (a worker with about one
+        # core of its own: app.serving). Otherwise a plain query alone in the process is
+        # searched from the event loop itself, which has nothing else to do: it scans one half
+        # of the view while a second thread scans the other (kernel_for(1) says so), sparing
+        # the hop to the FAISS thread and back (measured: 0.23 ms of a 2.3 ms search).
+        # Anything else waits for the FAISS thread.
+        if on_loop():
+            return True
         it = items[0]
         return len(items) == 1 and it.filter is None and it.effort is None and alone()
 

@@ -10,6 +10,7 @@ import socket
 from collections.abc import AsyncIterator
 
 import faiss
+import threadpoolctl
 import torch
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
@@ -60,6 +61,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # covers the event loop's thread, where vector encoders and query factors run.
         torch.set_num_threads(settings.torch_threads)
         faiss.omp_set_num_threads(settings.faiss_threads)
+        # numpy's OpenBLAS (the "numpy" search kernel) keeps a pthread pool of one thread per
+        # core, process-wide, whose threads spin after each call: held to the searches' count.
+        threadpoolctl.threadpool_limits(settings.faiss_threads, user_api="blas")
         pools = WorkerPools(settings.faiss_threads, settings.torch_threads)
         cache = make_cache(
             settings.redis_url,

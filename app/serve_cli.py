@@ -1,9 +1,10 @@
 """`hclip serve --root ROOT [--host H] [--port P] [--workers N]`: the service under uvicorn.
 
-With --workers N, uvicorn runs N processes on one socket; each opens the published version
-itself (memory-mapped: the pages are shared through the page cache, not copied), with its own
-batchers and its own poller, so each swaps versions by itself. Settings reach the workers
-through the environment, as HCLIP_* variables.
+With --workers N, N worker processes serve one port, each on a listening socket of its own
+(app/supervisor.py says why); each opens the published version itself (memory-mapped: the
+pages are shared through the page cache, not copied), with its own batchers and its own poller,
+so each swaps versions by itself. Settings reach the workers through the environment, as HCLIP_*
+variables.
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ import argparse
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
+from app import supervisor
 from app.metrics import MULTIPROC_ENV
 from app.settings import Settings
 
@@ -52,20 +55,25 @@ def serve(settings: Settings) -> None:
     os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before any worker imports prometheus_client
     log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
     try:
-        uvicorn.run(
-            "app.main:worker_app",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.workers,
-            log_level="info",
-            access_log=False,
-        )
+        code = supervisor.run(settings.host, settings.port, settings.workers, worker_gone)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+    if code:
+        raise SystemExit(code)
+
+
+def worker_gone(pid: int) -> None:
+    """A worker process ended: its live gauges leave /metrics (its counters stay summed)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)
 
 
 def run(args: argparse.Namespace) -> int:
     given = {"root": args.root, "host": args.host, "port": args.port, "workers": args.workers}
-    serve(Settings(**{k: v for k, v in given.items() if v is not None}))
+    try:
+        serve(Settings(**{k: v for k, v in given.items() if v is not None}))
+    except supervisor.PortInUse as exc:
+        print(f"hclip serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -71,6 +71,12 @@ class Settings(BaseSettings):
     batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")
     faiss_threads: int = Field(1, ge=1)
     torch_threads: int = Field(1, ge=1)
+    search_on_loop: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run searches on the event loop instead of the FAISS thread. auto: on "
+        "when the workers are at least as many as the cores, so that each worker has about "
+        "one core and a hop to a thread only costs (see README, Benchmarks)",
+    )
     split_lone_search: bool = Field(
         True,
         description="a search alone in its process scans a large exact view on two threads",

@@ -150,3 +150,87 @@ def test_a_lone_plain_search_runs_on_the_event_loop_and_others_on_the_executor()
     main_thread = threading.main_thread().name
     assert threads[0] == main_thread
     assert threads[1].startswith("pool") and threads[2].startswith("pool")
+
+
+def test_on_loop_runs_every_batch_on_the_event_loop_with_the_same_results() -> None:
+    import threading
+
+    rng = np.random.default_rng(2)
+    xb = rng.standard_normal((400, 8)).astype(np.float32)
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(400) * 3, 8, vectors=xb)
+    xq = rng.standard_normal((10, 8)).astype(np.float32)
+    threads: list[str] = []
+    sizes: list[int] = []
+
+    def kernel_for(n: int) -> str:
+        threads.append(threading.current_thread().name)
+        return "faiss_blocked" if n > 1 else "faiss"
+
+    async def main() -> list:
+        b = search_batcher(
+            view, ThreadPoolExecutor(1, thread_name_prefix="pool"), 64, 0.0, sizes.append,
+            kernel_for=kernel_for, on_loop=lambda: True,
+        )  # fmt: skip
+        lone = await b.submit(SearchItem(xq[0], 4))
+        many = await asyncio.gather(*(b.submit(SearchItem(xq[i], 4)) for i in range(1, 10)))
+        return [lone, *many]
+
+    got = asyncio.run(main())
+    assert set(threads) == {threading.main_thread().name}
+    assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) < 10  # still batched
+    for i, (scores, rows) in enumerate(got):
+        order = np.argsort(-(xb @ xq[i]))[:4]
+        assert rows.tolist() == (order * 3).tolist()
+        assert np.allclose(scores, (xb @ xq[i])[order], atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("mode", "one_per_core", "expected"),
+    [("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)],
+)
+def test_searches_go_on_the_loop_when_each_worker_has_a_core_once_measured(
+    tmp_path, mode: str, one_per_core: bool, expected: bool
+) -> None:
+    import os
+    import threading
+
+    from app.metrics import Metrics
+    from app.serving import VersionManager
+    from app.settings import Settings
+    from app.workers import WorkerPools
+
+    cores = len(os.sched_getaffinity(0))
+    if not one_per_core and cores == 1:
+        pytest.skip("one core: a single worker has it to itself")
+    workers = cores if one_per_core else 1
+    pools = WorkerPools(1, 1)
+    try:
+        settings = Settings(root=tmp_path, workers=workers, search_on_loop=mode)
+        manager = VersionManager(settings, Metrics(), pools)
+        gate = threading.Event()
+        manager._calibrations.append(pools.faiss.submit(gate.wait, 30))  # a measurement running
+        on_loop = manager._on_loop()
+        assert on_loop() is False  # nothing runs beside a measurement
+        gate.set()
+        pools.faiss.submit(lambda: None).result(5)
+        assert on_loop() is expected
+    finally:
+        pools.shutdown()
+
+
+def test_the_server_holds_numpys_blas_to_the_search_thread_count(tmp_path) -> None:
+    import os
+
+    import threadpoolctl
+
+    from tests.app.conftest import running, settings_for
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: numpy's BLAS starts with one thread anyway")
+
+    def pthreads_blas() -> list[int]:  # process-wide pools (an OpenMP one follows each thread)
+        info = threadpoolctl.threadpool_info()
+        return [i["num_threads"] for i in info if i.get("threading_layer") == "pthreads"]
+
+    with running(settings_for(tmp_path / "root", faiss_threads=1), wait_ready=False):
+        assert pthreads_blas() and set(pthreads_blas()) == {1}, pthreads_blas()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +70,8 @@ def two_workers(tmp_path: Path, vector_index):
             _, err = proc.communicate()
         assert proc.returncode == 0, err[-2000:]
         # each worker logs its own lines (a fresh interpreter: app.main.worker_app sets it up)
-        assert err.count("INFO app.main: index root") == 2, err[-2000:]
+        started = len(re.findall(r"app\.supervisor: worker \d+ started", err))
+        assert started >= 2 and err.count("INFO app.main: index root") == started, err[-2000:]
         metrics_dirs = re.findall(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", err)
         assert all(not Path(d).exists() for d in metrics_dirs)
 
@@ -117,3 +119,55 @@ def test_two_workers_serve_swap_and_count(two_workers) -> None:
     assert sorted(v for v, value in loaded if float(value) == 1) == [v2, v2], loaded
     r = fresh(url, "POST", "/v1/search", json={"query": {"a": probes[0]["a"]}, "k": 3})
     assert {h["payload"]["version_tag"] for h in r.json()["results"]} == {"v2"}
+
+
+def listening_sockets(port: int) -> int:
+    """TCP sockets in LISTEN state on `port` (/proc/net/tcp, state 0A)."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        count += int(local.split(":")[1], 16) == port and state == "0A"
+    return count
+
+
+def test_each_worker_listens_on_its_own_socket_and_a_dead_one_is_replaced(two_workers) -> None:
+    url = two_workers[0]
+    port = int(url.rsplit(":", 1)[1])
+    # one socket per worker (SO_REUSEPORT): the kernel spreads connections by hash, instead of
+    # the first worker to wake taking every waiting connection off a shared socket
+    assert listening_sockets(port) == 2
+
+    instances: set[str] = set()
+    wait_until(lambda: instances.add(fresh(url, "GET", "/readyz").headers["x-hclip-instance"])
+               or len(instances) == 2)  # fmt: skip
+    victim = sorted(instances)[0]
+    os.kill(int(victim.rsplit("-", 1)[1]), signal.SIGKILL)
+
+    def replaced() -> bool:
+        try:
+            r = fresh(url, "GET", "/readyz")
+        except httpx.HTTPError:  # a connection the dead worker had queued
+            return False
+        if r.status_code == 200:
+            instances.add(r.headers["x-hclip-instance"])
+        return len(instances) == 3 and listening_sockets(port) == 2
+
+    wait_until(replaced, timeout=60)
+    query = {"a": records_v("q", n=1)[0]["a"]}
+    for _ in range(10):  # both workers answer every request
+        assert fresh(url, "POST", "/v1/search", json={"query": query}).status_code == 200
+    text = fresh(url, "GET", "/metrics").text
+    assert "hclip_index_version_info{" in text
+
+
+def test_a_port_already_taken_is_a_clear_error(tmp_path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", "2", "--port", str(port)]
+        cmd += ["--root", str(tmp_path)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot bind 127.0.0.1:{port}" in done.stderr
