@@ -8,6 +8,9 @@ opening 32 connections to 2 workers: 24 went to one worker and 8 to the other in
 six, so that one worker's core ran flat out while the other waited. Connections that stay open
 (wrk's, a load balancer's keep-alive pool) stay where they landed, so the imbalance lasts.
 
+SO_REUSEPORT spreads connections this way on Linux (the containers' system); other systems may
+accept the option without spreading them, and there the workers would serve unevenly.
+
 The parent keeps a bound socket of its own that never listens: it holds the port between worker
 restarts (connections go only to listening sockets) and gives every worker the same port when
 the one asked for is 0.
