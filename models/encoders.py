@@ -7,10 +7,12 @@ part). Training runs the two apart: `collate` where records are decoded, `forwar
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, cast
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -78,6 +80,45 @@ class VectorEncoder(ProjectedEncoder):
         first, second = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
         h = nn.functional.gelu(nn.functional.linear(batch, first.weight, first.bias))
         return nn.functional.gelu(nn.functional.linear(h, second.weight, second.bias))
+
+    def numpy_forward(self) -> Callable[[np.ndarray], np.ndarray]:
+        """`forward` as a numpy function of (B, dim) float32 arrays, with the weights as they
+        are now (a serving version's model is not trained further). The same operations, equal
+        within float32 rounding (tests/models/test_encoders.py).
+
+        Why: the service encodes a lone query on its event loop right after a search has
+        streamed the view through the cache, and torch's dispatch then costs 420-480 us for
+        one 64-d input against 145-150 us for these few numpy calls (40-47 us each when warm;
+        measured on a Zen 5 EPYC). Its exact GELU takes math.erf element by element, so past
+        a few rows torch is the faster: the service uses this for small batches only."""
+        first, second = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
+
+        def taken(t: torch.Tensor) -> np.ndarray:
+            return np.ascontiguousarray(t.detach().cpu().numpy().astype(np.float32).T)
+
+        w1, w2, wp = taken(first.weight), taken(second.weight), taken(self.proj.weight)
+        b1, b2, bp = (taken(layer.bias).T for layer in (first, second, self.proj))
+
+        def run(x: np.ndarray) -> np.ndarray:
+            # An input near float32's limit overflows here as in torch (the caller checks the
+            # output is finite); numpy would also warn about it, torch does not.
+            with np.errstate(all="ignore"):
+                h = _gelu(_gelu(x @ w1 + b1) @ w2 + b2)
+                z = h @ wp + bp
+                norm = np.linalg.norm(z, axis=1, keepdims=True)
+                return z / np.maximum(norm, np.float32(NORMALIZE_EPS))  # as F.normalize
+
+        return run
+
+
+NORMALIZE_EPS = 1e-12  # torch.nn.functional.normalize's default eps
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
+def _gelu(x: np.ndarray) -> np.ndarray:
+    """The exact GELU, x * Phi(x), in float32 (torch's nn.GELU() default, not the tanh form)."""
+    phi = np.asarray(_erf(x * np.float32(1 / math.sqrt(2))), dtype=np.float32)
+    return np.float32(0.5) * x * (np.float32(1.0) + phi)
 
 
 class EmbeddingEncoder(Encoder):
