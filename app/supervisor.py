@@ -18,6 +18,7 @@ the one asked for is 0.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing
 import os
@@ -36,6 +37,7 @@ RESTART_FIRST_S = 0.5  # a dead worker is restarted after this, doubling while i
 RESTART_MAX_S = 30.0
 STABLE_S = 60.0  # a worker that lived this long resets the backoff
 STOP_GRACE_S = 30.0  # SIGTERM lets requests finish; past this a worker is killed
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class PortInUse(OSError):
@@ -68,12 +70,26 @@ def reserve(host: str, port: int) -> socket.socket:
     return reuseport_socket(host, port)
 
 
-def serve_one(host: str, port: int) -> None:
+def exit_with(parent: int) -> None:
+    """Have the kernel send this process SIGTERM when `parent` dies, however it dies (SIGKILL,
+    the OOM killer): an orphaned worker would go on serving the port with no supervisor.
+    Linux's prctl(PR_SET_PDEATHSIG); elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the request was in place
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def serve_one(host: str, port: int, parent: int) -> None:
     """A worker process: its own listening socket, the app from HCLIP_* variables."""
     import uvicorn
 
     from app.logs import configure_logging
 
+    exit_with(parent)
     configure_logging()
     sock = reuseport_socket(host, port)
     config = uvicorn.Config(
@@ -111,7 +127,9 @@ def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> i
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def start(slot: int) -> BaseProcess:
-        process = ctx.Process(target=serve_one, args=(host, port), name=f"hclip-worker-{slot}")
+        process = ctx.Process(
+            target=serve_one, args=(host, port, os.getpid()), name=f"hclip-worker-{slot}"
+        )
         process.start()
         log.info("worker %d started (pid %s)", slot, process.pid)
         return process

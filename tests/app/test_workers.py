@@ -3,6 +3,7 @@ itself; /metrics counts every worker's requests whichever worker renders it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -171,3 +172,46 @@ def test_a_port_already_taken_is_a_clear_error(tmp_path) -> None:
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr[-2000:]
     assert f"cannot bind 127.0.0.1:{port}" in done.stderr
+
+
+def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path, vector_index) -> None:
+    _, model_dir, _ = vector_index
+    root = tmp_path / "root"
+    build_index(root, model_dir, records_v("v1"), tmp_path)
+    port = free_port()
+    env = {**os.environ, "HCLIP_CALIBRATE_KERNELS": "false", "PYTHONPATH": str(REPO)}
+    env.pop("HCLIP_REDIS_URL", None)
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", "2"]
+    cmd += ["--root", str(root), "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    workers: set[int] = set()
+    try:
+
+        def both_ready() -> bool:
+            try:
+                r = fresh(url, "GET", "/readyz")
+            except httpx.HTTPError:
+                return False
+            workers.add(int(r.headers["x-hclip-instance"].rsplit("-", 1)[1]))
+            return len(workers) == 2
+
+        wait_until(both_ready, timeout=60)
+        proc.kill()  # SIGKILL: the supervisor cannot stop its workers itself
+        proc.wait(10)
+
+        def gone(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return True
+            # a worker that has exited but is not reaped yet (its parent is gone: init reaps)
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+        wait_until(lambda: all(gone(pid) for pid in workers), timeout=40)
+        assert listening_sockets(port) == 0
+    finally:
+        proc.kill()
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
