@@ -55,11 +55,9 @@ def serve(settings: Settings) -> None:
     os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before any worker imports prometheus_client
     log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
     try:
-        code = supervisor.run(settings.host, settings.port, settings.workers, worker_gone)
+        supervisor.run(settings.host, settings.port, settings.workers, worker_gone)
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
-    if code:
-        raise SystemExit(code)
 
 
 def worker_gone(pid: int) -> None:

@@ -112,8 +112,8 @@ class Worker:
     restart_at: float | None = None  # set while dead and waiting for its restart
 
 
-def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> int:
-    """Serve until SIGTERM or SIGINT, then stop every worker; 0 after a clean stop.
+def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> None:
+    """Serve until SIGTERM or SIGINT, then stop every worker.
     `on_exit(pid)` is called for each worker process that has ended (its metrics are dropped).
     Workers are fresh interpreters (spawned): they read their settings from the environment."""
     held = reserve(host, port)
@@ -159,7 +159,6 @@ def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> i
             signal.signal(sig, handler)
         _stop_all([w.process for w in pool if w.restart_at is None], on_exit)
         held.close()
-    return 0
 
 
 def _stop_all(processes: list[BaseProcess], on_exit: Callable[[int], None]) -> None:
