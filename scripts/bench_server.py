@@ -9,7 +9,8 @@ Prints, side by side in one run:
 - raw exact search on the view's memory-mapped vectors, one thread: FAISS one query at a time
   (the reference for the targets: the median of five 1-second rounds), and every kernel at
   batch sizes 1-256 (FAISS's scan, its scan over cache-sized blocks, its BLAS path, torch,
-  numpy): the table the server's router measures for itself at start-up;
+  numpy, numpy's products with torch's top-k): the table the server's router measures for
+  itself at start-up;
   the same table again in a fresh process with OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset,
   as on users' machines (these machines set them);
 - a search's own work on the event loop (checks, encoder, query factor), with warm caches and
@@ -121,6 +122,7 @@ def kernel_table(root: Path, seconds_each: float) -> dict[str, Any]:
         "faiss_blas": (flat.faiss_knn, 0),
         "torch": (flat.torch_blocked, None),
         "numpy": (flat.numpy_blocked, None),
+        "numpy_topk": (flat.numpy_topk, None),
     }
     table: dict[str, dict[int, float]] = {k: {} for k in kernels}
     for b in BATCHES:
