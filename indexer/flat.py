@@ -118,16 +118,28 @@ def torch_blocked(
         s = q @ blk.T  # (B, rows)
         if allowed is not None:
             s[:, torch.from_numpy(~allowed[start : start + BLOCK_ROWS])] = -torch.inf
-        v, i = torch.topk(s, min(k, s.shape[1]), dim=1)
-        i += start
-        if best_s is None or best_i is None:
-            best_s, best_i = v, i
-            continue
-        cat_s, cat_i = torch.cat([best_s, v], 1), torch.cat([best_i, i], 1)
-        best_s, idx = torch.topk(cat_s, k, dim=1)
-        best_i = torch.gather(cat_i, 1, idx)
+        best_s, best_i = _kept(best_s, best_i, s, start, k, dim=1)
     assert best_s is not None and best_i is not None
     return best_s.numpy(), best_i.numpy()
+
+
+def _kept(
+    best_s: torch.Tensor | None,
+    best_i: torch.Tensor | None,
+    scores: torch.Tensor,
+    start: int,
+    k: int,
+    dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top k along `dim` of what was kept so far and of a block's `scores` (whose rows
+    start at position `start` of the view), best first."""
+    v, i = torch.topk(scores, min(k, scores.shape[dim]), dim=dim)
+    i += start
+    if best_s is None or best_i is None:
+        return v, i
+    cat_s, cat_i = torch.cat([best_s, v], dim), torch.cat([best_i, i], dim)
+    best_s, idx = torch.topk(cat_s, k, dim=dim)
+    return best_s, torch.gather(cat_i, dim, idx)
 
 
 def numpy_blocked(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -164,14 +176,7 @@ def numpy_topk(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.n
     best_i: torch.Tensor | None = None
     for start in range(0, xb.shape[0], BLOCK_ROWS):
         s = torch.from_numpy(xb[start : start + BLOCK_ROWS] @ q_t)  # (rows, B)
-        v, i = torch.topk(s, min(k, s.shape[0]), dim=0)  # (k, B), best first
-        i += start
-        if best_s is None or best_i is None:
-            best_s, best_i = v, i
-            continue
-        cat_s, cat_i = torch.cat([best_s, v], 0), torch.cat([best_i, i], 0)
-        best_s, idx = torch.topk(cat_s, k, dim=0)
-        best_i = torch.gather(cat_i, 0, idx)
+        best_s, best_i = _kept(best_s, best_i, s, start, k, dim=0)  # (k, B)
     assert best_s is not None and best_i is not None
     return best_s.T.contiguous().numpy(), best_i.T.contiguous().numpy()
 
