@@ -94,10 +94,11 @@ class VectorEncoder(ProjectedEncoder):
         first, second = cast(nn.Linear, self.mlp[0]), cast(nn.Linear, self.mlp[2])
 
         def taken(t: torch.Tensor) -> np.ndarray:
-            return np.ascontiguousarray(t.detach().cpu().numpy().astype(np.float32).T)
+            return t.detach().cpu().numpy().astype(np.float32)  # a copy
 
-        w1, w2, wp = taken(first.weight), taken(second.weight), taken(self.proj.weight)
-        b1, b2, bp = (taken(layer.bias).T for layer in (first, second, self.proj))
+        # (out, in) weights as (in, out), so that a row of inputs multiplies from the left
+        w1, w2, wp = (np.ascontiguousarray(taken(x.weight).T) for x in (first, second, self.proj))
+        b1, b2, bp = (taken(x.bias) for x in (first, second, self.proj))
 
         def run(x: np.ndarray) -> np.ndarray:
             # An input near float32's limit overflows here as in torch (the caller checks the
