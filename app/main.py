@@ -18,7 +18,6 @@ from starlette.types import Receive, Scope, Send
 from app import errors, openapi
 from app.cache import make_cache
 from app.fastpath import SearchFastPath, is_fast_path
-from app.logs import configure_logging
 from app.metrics import Metrics
 from app.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
 from app.requests import ApiRoute
@@ -111,13 +110,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     page.install(app, settings.media_dir)
     openapi.install(app, settings, lambda: _current(app))
     return app
-
-
-def worker_app() -> FastAPI:
-    """The app of one `hclip serve --workers N` worker: a fresh interpreter, which logs its own
-    lines (version loads and rejections, the kernel router's table) only once set up here."""
-    configure_logging()
-    return create_app()
 
 
 def _current(app: FastAPI) -> ServingVersion | None:

@@ -44,9 +44,12 @@ class PortInUse(OSError):
     pass
 
 
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def reuseport_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(_family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
@@ -62,8 +65,7 @@ def reserve(host: str, port: int) -> socket.socket:
     already listens there, including another server of this user's with SO_REUSEPORT, which
     the bind alone would let share the port."""
     if port:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
             probe.settimeout(1.0)
             if probe.connect_ex((host, port)) == 0:
                 raise PortInUse(f"cannot bind {host}:{port}: something already listens there")
@@ -90,10 +92,12 @@ def serve_one(host: str, port: int, parent: int) -> None:
     from app.logs import configure_logging
 
     exit_with(parent)
+    # A fresh interpreter: without this it would log none of the app's own lines (version
+    # loads and rejections, the kernel router's table).
     configure_logging()
     sock = reuseport_socket(host, port)
     config = uvicorn.Config(
-        "app.main:worker_app",
+        "app.main:create_app",
         factory=True,
         host=host,
         port=port,

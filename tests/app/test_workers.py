@@ -70,7 +70,7 @@ def two_workers(tmp_path: Path, vector_index):
             proc.kill()
             _, err = proc.communicate()
         assert proc.returncode == 0, err[-2000:]
-        # each worker logs its own lines (a fresh interpreter: app.main.worker_app sets it up)
+        # each worker logs its own lines (a fresh interpreter: app.supervisor.serve_one sets it up)
         started = len(re.findall(r"app\.supervisor: worker \d+ started", err))
         assert started >= 2 and err.count("INFO app.main: index root") == started, err[-2000:]
         metrics_dirs = re.findall(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", err)
