@@ -5,15 +5,42 @@ them.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
+from typing import Any, cast
 
 import numpy as np
 
 _NPY_HEADER_BYTES = 128  # magic + version + length + dict, padded; fixed so it can be patched
+WRITEBACK_BYTES = 32 << 20  # written since the last nudge: the disk starts on them now
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], fn)
+
+
+_sync_file_range = _libc_sync_file_range()
+
+
+def start_writeback(fd: int) -> None:
+    """Ask the kernel to start writing the file's dirty pages to disk, without waiting
+    (Linux's sync_file_range). A build writes gigabytes that stay below the kernel's own
+    writeback threshold: left alone, the disk saw none of them until the fsync at close, which
+    then waited seconds (3 s for 1.5 GB on a 2-core Xeon) with the cores idle."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a failure only loses the head start
 
 
 def _npy_header(rows: int, dim: int | None, descr: str = "<f4") -> bytes:
@@ -41,14 +68,22 @@ class _Appender(ABC):
         self.rows = 0
         self.header_len = header_len
         self._f = open(path, "wb")  # noqa: SIM115 - closed in close()
-        self._f.write(b"\0" * header_len)
+        self._written = self._nudged = 0  # bytes; bytes when writeback was last started
+        self._write(b"\0" * header_len)
+
+    def _write(self, data: Any) -> None:
+        self._written += self._f.write(data)
+        if self._written - self._nudged >= WRITEBACK_BYTES:
+            self._f.flush()
+            start_writeback(self._f.fileno())
+            self._nudged = self._written
 
     def append(self, x: np.ndarray) -> None:
         x = np.ascontiguousarray(x, dtype=self.dtype)
         want = 1 if self.dim is None else 2
         if x.ndim != want or (self.dim is not None and x.shape[1] != self.dim):
             raise ValueError(f"{self.path.name}: expected rows of width {self.dim}, got {x.shape}")
-        self._f.write(x.tobytes())
+        self._write(x.data if x.size else b"")
         self.rows += x.shape[0]
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -73,7 +108,7 @@ class _Appender(ABC):
     def close(self) -> None:
         if self._f.closed:
             return
-        self._f.write(self._trailer())
+        self._write(self._trailer())
         self._f.seek(0)
         self._f.write(self._header())
         self._f.flush()

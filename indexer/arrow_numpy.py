@@ -56,3 +56,14 @@ def numbers(arr: Any) -> np.ndarray:
     """(len,) values of a fixed-width numeric array, whatever sits under its nulls."""
     dtype = np.dtype(NUMERIC[str(arr.type)])
     return np.frombuffer(arr.buffers()[1], dtype)[arr.offset : arr.offset + len(arr)]
+
+
+def strings(arr: Any) -> tuple[bytes, np.ndarray]:
+    """(UTF-8 blob, (len + 1,) int64 offsets from 0) of a string or large_string array: entry
+    i is blob[offsets[i]:offsets[i + 1]] (empty under a null)."""
+    width = "<i8" if str(arr.type) == "large_string" else "<i4"
+    off = np.frombuffer(arr.buffers()[1], width)[arr.offset : arr.offset + len(arr) + 1]
+    off = off.astype(np.int64)
+    data = arr.buffers()[2]
+    blob = b"" if data is None else data.to_pybytes()[int(off[0]) : int(off[-1])]
+    return blob, off - off[0]

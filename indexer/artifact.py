@@ -22,15 +22,20 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import blake3
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: a memory-mapped record store (records/) replaced records.jsonl
+# 2: a memory-mapped record store (records/) replaced records.jsonl; 3: BLAKE3 checksums and
+# the store's id hash named in the manifest. Format 2 is still read.
+FORMAT_VERSION = 3
+READS_FORMATS = (2, 3)
 CURRENT = "CURRENT"
 VERSIONS = "versions"
 STAGING = ".staging"
@@ -113,11 +118,25 @@ def version_dir(root: Path, version_id: str) -> Path:
 
 
 def sha256_file(path: Path) -> str:
+    """Format 2's checksum: the SHA-256 of the whole file."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+# Format 3's checksum: BLAKE3 of the whole file, 2.3 GB/s on one core of a 2-core Xeon
+# without SHA extensions (SHA-256: 130-250 MB/s there, which made it most of a build's time
+# after encoding), 4.3 GB/s on two.
+CHECKSUM = "blake3"
+
+
+def blake3_file(path: Path, threads: int = blake3.blake3.AUTO) -> str:
+    h = blake3.blake3(max_threads=threads)
+    if path.stat().st_size:  # an empty file cannot be mapped
+        h.update_mmap(path)
+    return str(h.hexdigest())
 
 
 def list_files(vdir: Path) -> list[str]:
@@ -137,9 +156,16 @@ def file_table(vdir: Path) -> dict[str, dict[str, Any]]:
         st = (vdir / rel).stat()
         key = (st.st_dev, st.st_ino)
         if key not in seen:
-            seen[key] = {"sha256": sha256_file(vdir / rel), "bytes": st.st_size}
+            seen[key] = {CHECKSUM: blake3_file(vdir / rel), "bytes": st.st_size}
         table[rel] = dict(seen[key])
     return table
+
+
+def file_matches(path: Path, meta: Mapping[str, Any]) -> bool:
+    """A file against its manifest entry: blake3 (format 3) or sha256 (format 2)."""
+    if CHECKSUM in meta:
+        return blake3_file(path) == meta[CHECKSUM]
+    return sha256_file(path) == meta.get("sha256")
 
 
 def publish(
@@ -151,8 +177,8 @@ def publish(
     """Checksum, fsync, check, move the staged version into versions/, then point CURRENT at
     it. `check` gets the staged directory once complete; any problem it names stops here."""
     version_id = manifest["version"]
-    # The checksums (hashlib, which lets go of the GIL) are taken on a second core while the
-    # check reads the same files; the check reads the manifest without its file table.
+    # The checksums (blake3, which lets go of the GIL) are taken beside the check, which reads
+    # the manifest without its file table.
     with ThreadPoolExecutor(1, thread_name_prefix="hclip-checksums") as pool:
         table = pool.submit(file_table, stage)  # the manifest is not among the files
         if check is not None:
@@ -201,10 +227,10 @@ def read_manifest(vdir: Path) -> dict[str, Any]:
         raise ArtifactError(f"{vdir / MANIFEST}: not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("format_version"), int):
         raise ArtifactError(f"{vdir / MANIFEST}: unknown artifact format")
-    if obj["format_version"] != FORMAT_VERSION:
+    if obj["format_version"] not in READS_FORMATS:
         raise ArtifactError(
-            f"{vdir}: artifact format {obj['format_version']}, this hclip reads format "
-            f"{FORMAT_VERSION}: rebuild it with `hclip index build`"
+            f"{vdir}: artifact format {obj['format_version']}, this hclip reads formats "
+            f"{', '.join(map(str, READS_FORMATS))}: rebuild it with `hclip index build`"
         )
     return obj
 

@@ -20,7 +20,7 @@ from indexer.encode import Rejected, RowWriter, Validator
 from indexer.local_engine import encode_local
 from indexer.ordering import Admission
 from indexer.reader import LoadedVersion, embedding_path, load_rows
-from indexer.recordstore import RecordStore
+from indexer.recordstore import ID_HASH_KIND, RecordStore, id_hash_of
 from indexer.sources import CHUNK_ROWS, RecordFiles
 from indexer.specs import IndexSpec
 from indexer.verify import verify_contents
@@ -164,6 +164,7 @@ def _finish(
         "model": model_block,
         "modalities": model.names,
         "d": model.cfg.latent_dim,
+        "id_hash": ID_HASH_KIND,  # indexer.recordstore: the store's id hash
         "counts": {
             "records": stored.count,
             "by_modality": {n: int(stored.present(n).sum()) for n in model.names},
@@ -318,7 +319,7 @@ def update(
             replaced = set(admission.seen) if admission else set()
             rejected = admission.rejected if admission else []
             timings = {"encode_s": time.perf_counter() - start}
-            old_store = RecordStore(old, model.names)
+            old_store = RecordStore(old, model.names, id_hash=id_hash_of(manifest))
             deleted_found = {i for i in deleted if old_store.row_of(i) is not None}
             old_count = len(old_store)
             old_store.close()

@@ -25,6 +25,7 @@ from indexer import arrow_numpy
 from indexer.encode import ARRAY_KINDS, RESERVED_KEYS, Record, Rows, Validator
 from indexer.filters import FieldsWriter, FieldValueError
 from indexer.jsonl_vectors import VectorLines
+from indexer.recordstore import joined, object_lines
 from indexer.sources import Chunk, parquet_record, unpack
 from models.inputs import FLOAT32_MAX, InputError, decode
 from models.records import RecordError
@@ -141,20 +142,24 @@ class ChunkChecker:
             return None
         n, suspect = len(chunk.lines), parsed.suspect
         ids: list[Any] = parsed.ids
-        payloads = [b""] * n
-        loads, dumps = orjson.loads, orjson.dumps
-        for i, raw in enumerate(parsed.payloads):
-            if not ids[i]:  # refused by msgspec, or an empty id
-                suspect[i] = True
-                continue
-            try:
-                payload = loads(raw) if raw else _EMPTY
-                if type(payload) is not dict or not self._fields_ok(payload):
-                    suspect[i] = True
+        suspect |= np.fromiter((not rid for rid in ids), bool, n)  # refused, or an empty id
+        # a record without a payload has the empty one, as the reference stores it
+        raws = [raw or b"{}" for raw in parsed.payloads]
+        payloads = None if self.fields else self._canonical(raws)
+        if payloads is None:
+            payloads = [b""] * n
+            loads, dumps = orjson.loads, orjson.dumps
+            for i, raw in enumerate(raws):
+                if suspect[i]:
                     continue
-                payloads[i] = dumps(payload)  # a TypeError if the store cannot keep it
-            except (orjson.JSONDecodeError, TypeError):
-                suspect[i] = True
+                try:
+                    payload = loads(raw)
+                    if type(payload) is not dict or not self._fields_ok(payload):
+                        suspect[i] = True
+                        continue
+                    payloads[i] = dumps(payload)  # a TypeError if the store cannot keep it
+                except (orjson.JSONDecodeError, TypeError):
+                    suspect[i] = True
         inputs: dict[str, Any] = {}
         presence = np.zeros((n, len(self.names)), dtype=bool)
         for j, name in enumerate(self.names):
@@ -296,9 +301,12 @@ class ChunkChecker:
         n = len(suspect)
         if col is None:
             return [b"{}"] * n
-        values = col.to_pylist()
         if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
             suspect |= arrow_numpy.booleans(pc.match_substring_regex(col, LONG_INTEGER))
+            canonical = self._canonical_payloads(col)
+            if canonical is not None:
+                return canonical
+        values = col.to_pylist()
         out = [b""] * n
         for i, v in enumerate(values):
             if suspect[i]:
@@ -320,6 +328,19 @@ class ChunkChecker:
             except TypeError:
                 suspect[i] = True
         return out
+
+    def _canonical_payloads(self, col: Any) -> list[bytes] | None:
+        """A Parquet column of JSON-string payloads as _canonical_blob keeps them; None with
+        filter fields (checked value by value) or nulls."""
+        if self.fields or col.null_count:
+            return None
+        return _canonical_blob(*arrow_numpy.strings(col))
+
+    @staticmethod
+    def _canonical(raws: list[bytes]) -> list[bytes] | None:
+        offsets = np.zeros(len(raws) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, raws), np.int64, len(raws)), out=offsets[1:])
+        return _canonical_blob(b"".join(raws), offsets)
 
     def _array_from_arrow(
         self, name: str, col: Any, suspect: np.ndarray, pa: Any
@@ -411,6 +432,21 @@ class ChunkChecker:
             return self.validator.finish(obj, rid, loc)
         except RecordError as exc:
             raise _Stage(FINISH, exc) from None
+
+
+def _canonical_blob(blob: bytes, offsets: np.ndarray) -> list[bytes] | None:
+    """The payloads packed in `blob` as they are, when every one is a JSON object already
+    written as the store keeps it (orjson's compact form): two C calls for the chunk (parse
+    all, write all back and compare) instead of a parse and a write per record. None when any
+    is not: the caller then parses them one by one."""
+    objs = object_lines(blob, offsets)
+    try:
+        if objs is None or orjson.dumps(objs) != b"[" + joined(blob, offsets, b",") + b"]":
+            return None
+    except TypeError:  # orjson.JSONEncodeError: an integer beyond 64 bits
+        return None
+    bounds = offsets.tolist()
+    return [blob[bounds[i] : bounds[i + 1]] for i in range(len(objs))]
 
 
 class _Stage(Exception):

@@ -213,15 +213,17 @@ def encode_rows(model: MultimodalModel, rows: Rows, batch_size: int) -> dict[str
     out = {}
     for j, name in enumerate(model.names):
         present = np.flatnonzero(rows.presence[:, j])
+        everyone = len(present) == len(rows)  # the common case: slices, not gathers
         full = np.zeros((len(rows), model.cfg.latent_dim), dtype=np.float32)
         values = rows.inputs[name]
         for start in range(0, len(present), batch_size):
             idx = present[start : start + batch_size]
+            at = slice(start, start + len(idx)) if everyone else idx
             if isinstance(values, np.ndarray):
-                emb = _encode_array(model, name, values[idx])
+                emb = _encode_array(model, name, values[at])
             else:
                 emb = model.encode(name, [values[i] for i in idx])
-            full[idx] = emb.numpy()
+            full[at] = emb.numpy()
         if not np.isfinite(full).all():
             raise RecordError(f"encoder {name!r} produced non-finite values in this batch")
         out[name] = full

@@ -21,7 +21,7 @@ import numpy as np
 
 from indexer import ann, artifact, flat
 from indexer.arrays import NpyRows
-from indexer.recordstore import RecordStore, RecordStoreError
+from indexer.recordstore import RecordStore, RecordStoreError, id_hash_of
 from indexer.specs import IndexSpec, set_search_params
 from indexer.views import StoredRows, factor_chunks
 from models.heads import build_head
@@ -152,7 +152,8 @@ class LoadedVersion:
         self.names: list[str] = self.manifest["modalities"]
         count = int(self.manifest["counts"]["records"])
         try:
-            self.records = RecordStore(vdir, self.names, self.manifest.get("filter_fields"))
+            fields = self.manifest.get("filter_fields")
+            self.records = RecordStore(vdir, self.names, fields, id_hash_of(self.manifest))
         except RecordStoreError as exc:
             raise artifact.ArtifactError(str(exc)) from None
         if len(self.records) != count:

@@ -25,6 +25,7 @@ from typing import Any
 from indexer import artifact
 from indexer.query_log import read_queries
 from indexer.reader import LoadedVersion, load_rows
+from indexer.recordstore import id_hash_of
 from indexer.specs import DEFAULT_TARGET_RECALL, IndexSpec, SpecError
 from indexer.tune import FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, TuneOptions
 from indexer.verify import verify_contents
@@ -183,6 +184,8 @@ def tune_version(
                 entries[name] = build_view(stage, model.head, stored, query, spec, opts)
             new = {k: v for k, v in manifest.items() if k not in ("files", "update", "tune")}
             new |= {
+                "format_version": artifact.FORMAT_VERSION,
+                "id_hash": id_hash_of(manifest),  # the store is kept as it is
                 "version": stage.name,
                 "parent": old.name,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

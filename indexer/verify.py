@@ -23,7 +23,7 @@ import numpy as np
 from indexer import artifact
 from indexer.arrays import NpyRows
 from indexer.reader import LoadedVersion, embedding_path, load_rows
-from indexer.recordstore import RecordStore
+from indexer.recordstore import RecordStore, id_hash_of
 from indexer.specs import IndexSpec
 from indexer.views import CHUNK, factor_chunks
 from models.heads import build_head
@@ -46,9 +46,7 @@ def verify_files(vdir: Path, full: bool = True) -> list[str]:
             problems.append(f"{rel}: missing")
         elif path.stat().st_size != meta["bytes"]:
             problems.append(f"{rel}: size {path.stat().st_size} != {meta['bytes']}")
-        elif (full or meta["bytes"] <= SMALL_FILE_BYTES) and artifact.sha256_file(path) != meta[
-            "sha256"
-        ]:
+        elif (full or meta["bytes"] <= SMALL_FILE_BYTES) and not artifact.file_matches(path, meta):
             problems.append(f"{rel}: checksum mismatch")
     problems += [f"{rel}: not listed in the manifest" for rel in sorted(on_disk - set(files))]
     return problems
@@ -62,7 +60,7 @@ def verify_contents(vdir: Path) -> list[str]:
     # The record store's check is Python (a hash per id), the views' numpy: two threads.
     # Every file is opened on this thread: np.load parses .npy headers with `ast`, which
     # CPython before 3.11.8 could not run on two threads at once (gh-106905: a SystemError).
-    store = RecordStore(vdir, names, manifest.get("filter_fields"))
+    store = RecordStore(vdir, names, manifest.get("filter_fields"), id_hash_of(manifest))
     try:
         with ThreadPoolExecutor(1, thread_name_prefix="hclip-verify") as pool:
             store_problems = pool.submit(store.problems)

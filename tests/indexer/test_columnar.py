@@ -381,3 +381,70 @@ def test_records_inputs_that_are_not_there(tmp_path: Path, capsys) -> None:
     pq.write_table(pa.table({"id": ["z"]}), tmp_path / "empty" / "b.parquet")
     assert index_build(model_dir, tmp_path / "empty", tmp_path / "root") == 2
     assert "mixes Parquet and JSON Lines files" in capsys.readouterr().err
+
+
+COMPACT_PAYLOAD_CASES = [
+    '{"a":1,"a":2}',  # a duplicate key: kept once, so not as written
+    '{"s":"\\u00e9"}',  # an escape that orjson writes as the character
+    '{"x":1e5}',  # written back as 100000.0
+    '{"n":123456789012345678901234}',  # too big to store
+    '{"a":\n1}',  # a newline inside
+    '{"a":',  # cut short, then the next row reads as if it closed it:
+    "1}{}",
+    " {}",  # a space before
+    "[1]",
+    "",
+]
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "jsonl"])
+@pytest.mark.parametrize("bad", [None, *COMPACT_PAYLOAD_CASES])
+def test_compact_payloads_match_the_validator(tmp_path: Path, monkeypatch, bad, fmt) -> None:
+    """Payloads already in orjson's compact form are kept as they are, a chunk at a time; a
+    chunk with any other payload, whatever its oddity, gets the reference's answer."""
+    model = load_model(make_model_dir(tmp_path / "m"))
+    rows: list[dict[str, Any]] = vector_records(30, DIMS, seed=5)
+    for i, r in enumerate(rows):
+        payload = {"i": i, "s": "ünï ☃", "f": 0.5, "l": [1, None]}
+        r["payload"] = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    if bad is not None:
+        rows[10]["payload"] = bad
+        rows[11]["payload"] = "1}{}" if bad == '{"a":' else rows[11]["payload"]
+    rows[12]["payload"] = None  # no payload at all: stored as {}
+    if fmt == "parquet":
+        path = tmp_path / "r.parquet"
+        pq.write_table(parquet_table(rows, lambda d: pa.list_(pa.float32(), d)), path)
+        name = "_canonical_payloads"
+    else:  # the payload's text goes into the line as it is
+        path = tmp_path / "r.jsonl"
+        lines = []
+        for r in rows:
+            vectors = "".join(f',"{m}":{json.dumps(r[m])}' for m in DIMS)
+            payload = "" if r["payload"] is None else f',"payload":{r["payload"]}'
+            lines.append(f'{{"id":"{r["id"]}"{payload}{vectors}}}\n')
+        path.write_text("".join(lines))
+        name = "_canonical"
+    kept: list[bool] = []
+    canonical = getattr(ChunkChecker, name)
+
+    def spy(*args):
+        out = canonical(*args)
+        kept.append(out is not None)
+        return out
+
+    monkeypatch.setattr(ChunkChecker, name, spy if fmt == "parquet" else staticmethod(spy))
+    assert_same(model, RecordFiles.resolve(path))
+    assert any(kept)  # chunks of clean rows (of 1 and 3 rows) kept their payloads as written
+    if bad is not None and (fmt == "parquet" or odd_in_its_line(bad)):
+        assert not all(kept)  # and the chunks with the odd one did not
+
+
+def odd_in_its_line(payload: str) -> bool:
+    """In a JSON line, the payload is the odd one: the line is one valid line (else the line
+    is refused before its payload is looked at) and the value has no blank around it (which
+    is the line's, not the payload's)."""
+    try:
+        json.loads(f'{{"payload":{payload}}}')
+    except json.JSONDecodeError:
+        return False
+    return "\n" not in payload and payload == payload.strip()

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from indexer import artifact, recordstore
 from indexer.reader import LoadedVersion
@@ -66,7 +68,13 @@ def test_store_equals_the_reference(built) -> None:
 
 
 def test_hash_collisions_cost_a_comparison_not_a_wrong_answer(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(recordstore, "id_hash", lambda rid: len(rid) % 3)  # collide a lot
+    def one(raw: bytes) -> int:
+        return len(raw) % 3  # collide a lot
+
+    def packed(blob: bytes, offsets: np.ndarray) -> np.ndarray:
+        return (np.diff(offsets) % 3).astype(np.uint64)
+
+    monkeypatch.setitem(recordstore.ID_HASHES, recordstore.ID_HASH_KIND, (one, packed))
     names = ["a", "b"]
     w = RecordStoreWriter(tmp_path, names)
     ids = [f"id{i}" for i in range(50)] + ["", "x", "yy"]
@@ -110,3 +118,40 @@ def test_verify_refuses_a_damaged_store(built, tmp_path: Path, damage: str, name
     DAMAGE[damage](target)
     problems = verify(vdir)
     assert problems and any(name in p for p in problems), problems
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.text(min_size=0, max_size=40), max_size=30))
+def test_the_id_hash_of_a_chunk_equals_the_hash_of_each_id(ids: list[str]) -> None:
+    got = recordstore.id_hashes(ids)
+    assert got.dtype == np.uint64 and got.tolist() == [recordstore.words64(i.encode()) for i in ids]
+
+
+def test_the_id_hash_is_pinned() -> None:
+    """Stored versions hash ids this way: a change must come with a new id_hash kind."""
+    assert recordstore.words64(b"") == 0
+    assert recordstore.words64(b"r0") == 0x2EC1E2DF09025FED
+    assert recordstore.words64("émoji-☃-12345678".encode()) == 0x9757986E5D79C46D
+    assert len({recordstore.words64(f"r{i}".encode()) for i in range(100_000)}) == 100_000
+
+
+PAYLOAD_CASES = {
+    "objects": ([b"{}", b'{"a":1}', b'{"b":[1,2]}'], None),
+    "an array": ([b"{}", b"[1]", b"{}"], 1),
+    "a number": ([b"{}", b"{}", b"7"], 2),
+    "empty": ([b"{}", b"", b"{}"], 1),
+    "not JSON": ([b'{"a":', b"{}"], 0),
+    "two objects in one": ([b"{} {}", b"{}"], 0),
+    "split across two": ([b'{"a":"', b'"}'], 0),
+    "two that read as two objects across the break": ([b'{"a":', b"1}{}"], 0),
+    "a space before": ([b"{}", b' {"a":1}'], None),
+    "a newline inside an object": ([b'{"a":\n1}', b"{}"], None),
+    "a newline between two": ([b"{}\n{}", b"{}"], 0),
+}
+
+
+@pytest.mark.parametrize("case", list(PAYLOAD_CASES))
+def test_payload_check_names_the_first_that_is_not_an_object(case: str) -> None:
+    payloads, first_bad = PAYLOAD_CASES[case]
+    offsets = np.concatenate([[0], np.cumsum([len(p) for p in payloads])]).astype(np.int64)
+    assert recordstore._not_objects(b"".join(payloads), offsets) == first_bad
