@@ -7,7 +7,7 @@ records or ten million, and no record becomes a Python object until it is return
     records/payloads.bin           every payload as compact JSON, concatenated in row order
     records/payloads.offsets.npy   (N + 1,) int64, likewise
     records/presence.npy           (N, m) bool: row i has modality j (the manifest's order)
-    records/id_hash.npy            (N,) uint64, sorted: a 64-bit hash of every id (ID_HASH)
+    records/id_hash.npy            (N,) uint64, sorted: a 64-bit hash of every id (below)
     records/id_row.npy             (N,) int64: the row of each hash, in the same order
 
 An id is looked up by hashing it and binary-searching id_hash (about log2 N pages touched);
