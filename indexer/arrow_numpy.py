@@ -64,6 +64,6 @@ def strings(arr: Any) -> tuple[bytes, np.ndarray]:
     width = "<i8" if str(arr.type) == "large_string" else "<i4"
     off = np.frombuffer(arr.buffers()[1], width)[arr.offset : arr.offset + len(arr) + 1]
     off = off.astype(np.int64)
-    data = arr.buffers()[2]
-    blob = b"" if data is None else data.to_pybytes()[int(off[0]) : int(off[-1])]
+    data = arr.buffers()[2]  # a slice of a batch shares its parent's buffer: copy its span only
+    blob = b"" if data is None else data[int(off[0]) : int(off[-1])].to_pybytes()
     return blob, off - off[0]
