@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import multiprocessing
 import os
 import pickle
@@ -85,15 +86,28 @@ def in_thread(make: Callable[[], Iterator[T]], depth: int) -> Generator[T, None,
 
 
 def in_child(make: Callable[[], Iterator[T]], depth: int) -> Generator[T, None, None]:
-    """A forked child produces into a pipe: one item in the pipe and one being pickled, so
-    `depth` is moot here; the pipe's own buffer is the bound."""
+    """A forked child produces up to `depth` items ahead, each pickled into a slot of shared
+    memory (anonymous, mapped before the fork) with a few bytes through a pipe to say which;
+    the consumer hands the slot back once it has unpickled the item. An item bigger than a
+    slot crosses the pipe itself.
+
+    Why slots: through the pipe alone, the child could be one item ahead, and a 2 MB chunk
+    crossed a 64 kB pipe in a few dozen write-wake-read turns between the two processes: on a
+    1M-record build the encoder spent 1.5-2.5 s waiting on the pipe (measured, 2-vCPU Xeon)."""
+    depth = min(max(1, depth), 255)  # a slot's number crosses as one byte
     ctx = multiprocessing.get_context("fork")
-    receive, send = ctx.Pipe(duplex=False)
+    receive, send = ctx.Pipe(duplex=False)  # the child's headers (and any oversized item)
+    returned, give_back = ctx.Pipe(duplex=False)  # slots the consumer is done with
+    slots = [mmap.mmap(-1, SLOT_BYTES) for _ in range(depth)]
     child = ctx.Process(
-        target=_produce_into, args=(make, send, os.getpid()), name="hclip-reader", daemon=True
+        target=_produce_into,
+        args=(make, send, returned, slots, os.getpid()),
+        name="hclip-reader",
+        daemon=True,
     )
     child.start()
-    send.close()  # the child's end
+    send.close()  # the child's ends
+    returned.close()
     try:
         while True:
             if not receive.poll(POLL_S):
@@ -101,7 +115,15 @@ def in_child(make: Callable[[], Iterator[T]], depth: int) -> Generator[T, None, 
                     raise RuntimeError(f"the reader process stopped (exit code {child.exitcode})")
                 continue
             try:
-                kind, item = pickle.loads(receive.recv_bytes())
+                kind, value = pickle.loads(receive.recv_bytes())
+                if kind == "slot":
+                    index, size = value
+                    with memoryview(slots[index]) as view:
+                        item = pickle.loads(view[:size])  # copies out: the slot is free again
+                    with contextlib.suppress(BrokenPipeError):  # a child that is done
+                        give_back.send_bytes(bytes([index]))
+                elif kind == "pipe":
+                    item = pickle.loads(receive.recv_bytes())
             except EOFError:
                 raise RuntimeError(
                     f"the reader process stopped (exit code {child.exitcode})"
@@ -109,23 +131,45 @@ def in_child(make: Callable[[], Iterator[T]], depth: int) -> Generator[T, None, 
             if kind == "done":
                 return
             if kind == "error":
-                raise item
+                raise value
             yield item
     finally:
         if child.is_alive():
             child.kill()  # the consumer stopped early: nothing more is wanted
         child.join(timeout=5)
         receive.close()
+        give_back.close()
+        for slot in slots:
+            slot.close()
 
 
-def _produce_into(make: Callable[[], Iterator[Any]], send: Any, parent: int) -> None:
+SLOT_BYTES = 64 << 20  # address space only: a slot's pages exist once an item is written there
+
+
+def _produce_into(
+    make: Callable[[], Iterator[Any]],
+    send: Any,
+    returned: Any,
+    slots: list[mmap.mmap],
+    parent: int,
+) -> None:
     _die_with(parent)
-    _close_inherited(keep={0, 1, 2, send.fileno()})
+    _close_inherited(keep={0, 1, 2, send.fileno(), returned.fileno()})
+    free = list(range(len(slots)))
     # Items cross as plain pickles: multiprocessing's own pickler would pass a torch tensor as
     # a handle to shared memory that this process must outlive, and it does not.
     try:
         for item in make():
-            send.send_bytes(pickle.dumps(("item", item), pickle.HIGHEST_PROTOCOL))
+            data = pickle.dumps(item, pickle.HIGHEST_PROTOCOL)
+            if len(data) > SLOT_BYTES:
+                send.send_bytes(pickle.dumps(("pipe", None)))
+                send.send_bytes(data)
+                continue
+            if not free:  # wait for the consumer to finish with one
+                free.append(returned.recv_bytes()[0])
+            index = free.pop()
+            slots[index][: len(data)] = data
+            send.send_bytes(pickle.dumps(("slot", (index, len(data)))))
         send.send_bytes(pickle.dumps(("done", None)))
     except BaseException as exc:  # handed to the consumer, which raises it
         send.send_bytes(pickle.dumps(("error", _picklable(exc))))

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,19 +46,20 @@ def test_items_in_order_and_the_error_where_it_happened(mode: str) -> None:
     assert got == list(range(20))
 
 
+def endless(marks: Path) -> Iterator[int]:
+    """0, 1, 2... with a line in `marks` (the producer's pid) as each is produced."""
+    i = 0
+    while True:
+        with open(marks, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        yield i
+        i += 1
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_consumer_that_stops_stops_the_producer(mode: str, tmp_path) -> None:
     marks = tmp_path / "produced"
-
-    def endless() -> Iterator[int]:
-        i = 0
-        while True:
-            with open(marks, "a") as f:
-                f.write(f"{os.getpid()}\n")
-            yield i
-            i += 1
-
-    items = MODES[mode](endless, 2)
+    items = MODES[mode](lambda: endless(marks), 2)
     assert [next(items) for _ in range(5)] == list(range(5))
     items.close()
     time.sleep(1)
@@ -66,6 +68,30 @@ def test_a_consumer_that_stops_stops_the_producer(mode: str, tmp_path) -> None:
     assert marks.read_text().count("\n") == before  # nothing produced after close
     pids = set(marks.read_text().split())
     assert (pids == {str(os.getpid())}) == (mode == "thread")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_producer_works_depth_items_ahead(mode: str, tmp_path) -> None:
+    """Up to `depth` items wait for the consumer (the child's in shared-memory slots), and
+    one more is produced and waits for room: so a slow consumer never waits on the reader."""
+    marks = tmp_path / "produced"
+    for depth in (1, 3):
+        marks.write_text("")
+        items = MODES[mode](lambda: endless(marks), depth)
+        assert next(items) == 0
+        time.sleep(1)
+        assert marks.read_text().count("\n") == 1 + depth + 1
+        assert [next(items) for _ in range(10)] == list(range(1, 11))
+        items.close()
+
+
+def test_an_item_bigger_than_a_slot_crosses_the_pipe(monkeypatch) -> None:
+    """The child's slots have a fixed size; a bigger item takes the pipe, in its place."""
+    monkeypatch.setattr(prefetch, "SLOT_BYTES", 4096)  # the forked child inherits it
+    sizes = [10, 100_000, 20, 5000, 30, 300_000, 40]
+    items = list(prefetch.in_child(lambda: (np.full(n, n % 256, dtype=np.uint8) for n in sizes), 2))
+    assert [len(x) for x in items] == sizes
+    assert all((x == n % 256).all() for x, n in zip(items, sizes, strict=True))
 
 
 CHOICE = """
