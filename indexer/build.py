@@ -232,6 +232,15 @@ def _read_ids(path: Path) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
+def _stored_ids(vdir: Path, names: list[str]) -> set[str]:
+    """Every id in the record store of the version (or staged part) at `vdir`."""
+    store = RecordStore(vdir, names)
+    try:
+        return {rid for _, ids, _, _ in store.iter_chunks() for rid in ids}
+    finally:
+        store.close()
+
+
 def _copy_rows(
     src: Path, names: list[str], writer: RowWriter, drop: set[str] | None = None
 ) -> tuple[int, int]:
@@ -316,7 +325,7 @@ def update(
             finally:
                 side_writer.close()
             # only upserts that passed validation replace stored records
-            replaced = set(admission.seen) if admission else set()
+            replaced = _stored_ids(side, model.names) if admission else set()
             rejected = admission.rejected if admission else []
             timings = {"encode_s": time.perf_counter() - start}
             old_store = RecordStore(old, model.names, id_hash=id_hash_of(manifest))
