@@ -17,7 +17,9 @@ gets and every other cost shows. The runs, each one `hclip index build` process:
 
 Each run prints records/s over the whole process (interpreter start to exit) and its ratio to
 the bare encoders (records/s through `model.encode` for the three modalities, inputs already
-decoded in memory as one tensor per record, one thread, the same batch size); `(net)` is the
+decoded in memory as one tensor per record, one thread, the same batch size), measured again
+right before each run (`bare`): on a shared machine that figure drifts by a third within
+minutes, and a ratio to a figure taken minutes earlier drifts with it; `(net)` is the
 ratio to the networks alone (`model.encode_batch` on stacked batches, the path the builds now
 take, which skips splitting a batch into rows and stacking them back); then the phases the
 build logs, in seconds: encode (read, check, encode and write the rows; for Ray also starting
@@ -254,21 +256,22 @@ def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     net = float(_child("bare_encoder_rate", str(model), min(n, 200_000), batch, True))
     print(f"the networks alone (model.encode_batch, stacked batches): {net:,.0f} records/s\n")
     head = (
-        f"{'run':<14} {'rec/s':>9} {'wall s':>7} {'ratio':>6} {'(net)':>6} {'encode':>7} "
-        f"{'(ratio)':>7} {'views':>6} {'check':>6} {'publish':>7}  peak RSS MB"
+        f"{'run':<14} {'rec/s':>9} {'bare':>8} {'wall s':>7} {'ratio':>6} {'(net)':>6} "
+        f"{'encode':>7} {'(ratio)':>7} {'views':>6} {'check':>6} {'publish':>7}  peak RSS MB"
     )
     print(head)
     results = {}
     for run in args.runs:
         records = parquet if run == "local-parquet" else jsonl
         root = work / f"root-{run}"
-        r = run_build(build_cmd(model, records, root, batch, run), env)
+        r = {"bare_rec_s": float(_child("bare_encoder_rate", str(model), min(n, 100_000), batch))}
+        r |= run_build(build_cmd(model, records, root, batch, run), env)
         shutil.rmtree(root)  # a 1M-record version is about 2.5 GB: keep one at a time
         r["records_s"] = n / r["wall_s"]
-        r["ratio"] = r["records_s"] / bare
+        r["ratio"] = r["records_s"] / r["bare_rec_s"]
         r["ratio_networks"] = r["records_s"] / net
         encode_s = r["timings"].get("encode_s")
-        r["encode_ratio"] = n / encode_s / bare if encode_s else None
+        r["encode_ratio"] = n / encode_s / r["bare_rec_s"] if encode_s else None
         results[run] = r
         t = r["timings"]
         rss = "; ".join(
@@ -278,7 +281,8 @@ def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
             for role, peaks in r["peak_rss_mb"].items()
         )
         print(
-            f"{run:<14} {r['records_s']:>9,.0f} {r['wall_s']:>7.1f} {r['ratio']:>6.2f} "
+            f"{run:<14} {r['records_s']:>9,.0f} {r['bare_rec_s']:>8,.0f} {r['wall_s']:>7.1f} "
+            f"{r['ratio']:>6.2f} "
             f"{r['ratio_networks']:>6.2f} {t.get('encode_s', 0):>7.1f} "
             f"{r['encode_ratio'] or 0:>7.2f} "
             f"{t.get('views_s', 0):>6.1f} {t.get('check_s', 0):>6.1f} "
