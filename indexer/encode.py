@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 import torch
 
+from indexer import cores
 from indexer.arrays import NpyAppender
 from indexer.artifact import EMBEDDINGS
 from indexer.filters import FieldsWriter, FieldValueError
@@ -270,6 +271,7 @@ class RowWriter:
         self._queue = queue.Queue(maxsize=WRITE_BEHIND)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.cpus: frozenset[int] | None = None  # where its thread runs (indexer.cores)
 
     @property
     def rows(self) -> int:
@@ -301,6 +303,8 @@ class RowWriter:
         self._raise_error()
 
     def _run(self) -> None:
+        if self.cpus is not None:
+            cores.place_thread(self.cpus)
         while True:
             make = self._queue.get()
             try:

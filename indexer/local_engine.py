@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from indexer import cores
 from indexer.columnar import ChunkChecker
 from indexer.encode import Rejected, Rows, RowWriter, encode_rows
 from indexer.ordering import Admission
@@ -42,8 +43,9 @@ def admitted_chunks(
     and raises the first bad record's RecordError unless skip_bad.
 
     Why admission here and not beside the encoder: it is a dict of every id so far, Python
-    that holds the GIL, and on the encoder's side it cost 0.2-0.8 s per 1M records of the
-    encoder's time (measured, 2-vCPU Xeon); the reader's core has time to spare."""
+    that holds the GIL (a resize rehashes every id at once), and beside the encoder it cost
+    the encoding phase 0.2-0.8 s per 1M records (measured, 2-vCPU Xeon); the reader's core has
+    time to spare."""
     admission = Admission(files, skip_bad)
     for chunk in files.chunks(chunk_rows):
         checked = checker.check(chunk)
@@ -64,17 +66,26 @@ def encode_local(
 ) -> int:
     """Check, admit, encode and write every record of `files`, `chunk_rows` checked at once
     and `batch_size` per encoder call; returns the rows written. The records left out join
-    `admission.rejected`; the ids taken are those written (its `seen` stays empty: a dict of
-    every id, updated beside the encoder, cost it 0.5 s per 1M records, measured)."""
-    chunks = ahead(lambda: admitted_chunks(files, checker, admission.skip_bad, chunk_rows), AHEAD)
+    `admission.rejected`; the ids taken are those written, not `admission.seen`, which stays
+    empty (see admitted_chunks)."""
+    placement = cores.plan()
+    others = placement.others if placement else None
+
+    def read() -> Iterator[Admitted]:
+        with cores.placed(others):  # the reader's thread, in the child or here
+            yield from admitted_chunks(files, checker, admission.skip_bad, chunk_rows)
+
+    chunks = ahead(read, AHEAD)
+    writer.cpus = others
     bar = tqdm(desc="encode", unit="rec", disable=not progress)
     before = writer.rows
     try:
-        for chunk in chunks:
-            admission.rejected += chunk.rejected
-            write_admitted(model, chunk.rows, writer, batch_size)
-            bar.update(chunk.records)
-        writer.drain()
+        with cores.placed(placement.encoder if placement else None):
+            for chunk in chunks:
+                admission.rejected += chunk.rejected
+                write_admitted(model, chunk.rows, writer, batch_size)
+                bar.update(chunk.records)
+            writer.drain()
     finally:
         chunks.close()
         bar.close()
