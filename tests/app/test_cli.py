@@ -1,0 +1,60 @@
+"""The `hclip` console script's exit (app.cli.run): an index command leaves without tearing
+the interpreter down, with all it printed and logged delivered and its exit code; other
+commands, and any run that loaded Ray, exit the usual way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DIMS, make_model_dir, vector_records, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+# The console script's body, with an exit handler that says whether the interpreter was torn
+# down; `fake_ray` stands for a run that loaded Ray (its own clean-up must run).
+SCRIPT = """
+import atexit, sys, types
+atexit.register(lambda: print("torn down", flush=True))
+if sys.argv[1] == "fake_ray":
+    sys.modules["ray"] = types.ModuleType("ray")
+sys.argv = ["hclip", *sys.argv[2:]]
+from app.cli import run
+run()
+"""
+
+
+def hclip(*args: object, ray: bool = False) -> subprocess.CompletedProcess[str]:
+    """The console script in a child, its output through pipes (block-buffered)."""
+    argv = [sys.executable, "-c", SCRIPT, "fake_ray" if ray else "-", *map(str, args)]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_an_index_build_delivers_its_output_and_leaves_at_once(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path / "model")
+    records = write_jsonl(tmp_path / "r.jsonl", vector_records(200, DIMS))
+    root = tmp_path / "root"
+    done = hclip("index", "build", "--model", model, "--records", records, "--root", root)
+    assert done.returncode == 0, done.stderr
+    views = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("  view ")]
+    assert sorted(views) == ["a", "a+b", "a+c", "b", "b+c", "c"]  # the last lines got out too
+    assert "published version" in done.stderr  # the log, flushed
+    assert "torn down" not in done.stdout
+    bad = hclip(
+        "index", "build", "--model", model, "--records", tmp_path / "none.jsonl", "--root", root
+    )
+    assert bad.returncode == 2
+    assert "records file not found" in bad.stderr and "torn down" not in bad.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "ray"),
+    [(["index", "list", "--root", "{root}"], True), (["train", "--help"], False)],
+    ids=["with-ray-loaded", "not-an-index-command"],
+)
+def test_otherwise_the_interpreter_is_torn_down(tmp_path: Path, args: list[str], ray: bool) -> None:
+    done = hclip(*(a.format(root=tmp_path) for a in args), ray=ray)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.rstrip().endswith("torn down")
