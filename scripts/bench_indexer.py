@@ -18,8 +18,9 @@ gets and every other cost shows. The runs, each one `hclip index build` process:
 Each run prints records/s over the whole process (interpreter start to exit) and its ratio to
 the bare encoders (records/s through `model.encode` for the three modalities, inputs already
 decoded in memory as one tensor per record, one thread, the same batch size), measured again
-right before each run (`bare`): on a shared machine that figure drifts by a third within
-minutes, and a ratio to a figure taken minutes earlier drifts with it; `(net)` is the
+right before and right after each run and averaged (`bare`): on a shared machine that figure
+drifts by a third within minutes, and a ratio to a figure taken minutes earlier drifts with
+it; `(net)` is the
 ratio to the networks alone (`model.encode_batch` on stacked batches, the path the builds now
 take, which skips splitting a batch into rows and stacking them back); then the phases the
 build logs, in seconds: encode (read, check, encode and write the rows; for Ray also starting
@@ -264,9 +265,12 @@ def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     for run in args.runs:
         records = parquet if run == "local-parquet" else jsonl
         root = work / f"root-{run}"
-        r = {"bare_rec_s": float(_child("bare_encoder_rate", str(model), min(n, 100_000), batch))}
-        r |= run_build(build_cmd(model, records, root, batch, run), env)
+        before = float(_child("bare_encoder_rate", str(model), min(n, 100_000), batch))
+        r = run_build(build_cmd(model, records, root, batch, run), env)
         shutil.rmtree(root)  # a 1M-record version is about 2.5 GB: keep one at a time
+        after = float(_child("bare_encoder_rate", str(model), min(n, 100_000), batch))
+        r["bare_rec_s"] = (before + after) / 2
+        r["bare_before_after"] = [before, after]
         r["records_s"] = n / r["wall_s"]
         r["ratio"] = r["records_s"] / r["bare_rec_s"]
         r["ratio_networks"] = r["records_s"] / net
