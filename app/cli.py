@@ -7,6 +7,7 @@ command's module only when that command runs, so `hclip train` never loads FastA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -95,8 +96,9 @@ def run() -> None:
     command = next((a for a in argv if not a.startswith("-")), None)
     if command in QUICK_EXIT_COMMANDS and "ray" not in sys.modules:
         logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
+        with contextlib.suppress(BrokenPipeError):  # a reader that left wants nothing more
+            sys.stdout.flush()
+            sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
 
