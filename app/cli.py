@@ -57,9 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
 SERVING_COMMANDS = ("serve", "demo")
 
 
+def _command(argv: Sequence[str]) -> str | None:
+    """The command word (`index`, `serve`...): the first argument that is not an option."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if next((a for a in argv if not a.startswith("-")), None) in SERVING_COMMANDS:
+    if _command(argv) in SERVING_COMMANDS:
         # Idle OpenMP threads must sleep, not spin, while the other core serves HTTP. libgomp
         # reads this once, when torch loads it, so it is set before anything imports torch.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -93,8 +98,7 @@ def run() -> None:
     that escapes main() takes the normal path, with its traceback."""
     argv = sys.argv[1:]
     code = main(argv)
-    command = next((a for a in argv if not a.startswith("-")), None)
-    if command in QUICK_EXIT_COMMANDS and "ray" not in sys.modules:
+    if _command(argv) in QUICK_EXIT_COMMANDS and "ray" not in sys.modules:
         logging.shutdown()
         with contextlib.suppress(BrokenPipeError):  # a reader that left wants nothing more
             sys.stdout.flush()

@@ -114,7 +114,7 @@ def in_child(make: Callable[[], Iterator[T]], depth: int) -> Generator[T, None, 
                 if not child.is_alive() and not receive.poll(0):
                     raise RuntimeError(f"the reader process stopped (exit code {child.exitcode})")
                 continue
-            try:
+            try:  # pickles from this process's own forked child, over a private pipe and map
                 kind, value = pickle.loads(receive.recv_bytes())
                 if kind == "slot":
                     index, size = value
