@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import mmap
-import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ import msgspec
 import numpy as np
 import orjson
 
-from indexer.arrays import NpyAppender
+from indexer.arrays import NpyAppender, start_writeback
 from indexer.filters import FIELDS_DIR, FieldColumns, FieldsWriter
 
 DIR = "records"
@@ -187,7 +186,7 @@ class RecordStoreWriter:
             return
         for f in (self._ids, self._payloads):
             f.flush()
-            os.fsync(f.fileno())
+            start_writeback(f.fileno())  # made durable by the publish (indexer.arrays._Appender)
             f.close()
         for a in (self._ids_off, self._payloads_off, self._presence):
             a.close()

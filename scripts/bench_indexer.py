@@ -250,6 +250,7 @@ def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     jsonl, parquet = work / f"records-{n}.jsonl", work / f"records-{n}.parquet"
     t0 = time.perf_counter()
     _child("write_records", str(jsonl), str(parquet), n)
+    os.sync()  # the records on disk, as a user's are: no build pays for writing them back
     size = jsonl.stat().st_size / 1e6
     print(f"{n} records written in {time.perf_counter() - t0:.0f} s ({size:.0f} MB JSON Lines)")
     bare = float(_child("bare_encoder_rate", str(model), min(n, 200_000), batch))
@@ -265,6 +266,7 @@ def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
     for run in args.runs:
         records = parquet if run == "local-parquet" else jsonl
         root = work / f"root-{run}"
+        os.sync()  # nothing left of the previous run for the disk to write during this one
         before = float(_child("bare_encoder_rate", str(model), min(n, 100_000), batch))
         r = run_build(build_cmd(model, records, root, batch, run), env)
         shutil.rmtree(root)  # a 1M-record version is about 2.5 GB: keep one at a time

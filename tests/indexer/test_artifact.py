@@ -126,3 +126,31 @@ def test_a_file_under_two_names_is_listed_twice_and_read_once(tmp_path: Path, mo
         == {artifact.CHECKSUM: blake3.blake3(b"abc").hexdigest(), "bytes": 3}
     )
     assert len(read) == 1
+
+
+def test_every_file_of_a_build_is_on_disk_before_current_names_it(tmp_path: Path, monkeypatch):
+    # Writers only start writeback when they close a file (indexer.arrays): durability is the
+    # publish's fsync of the whole staged version, and it must come before CURRENT moves.
+    events: list[tuple[str, Path]] = []
+    fsync_path, write_current = artifact.fsync_path, artifact.write_current
+    monkeypatch.setattr(
+        artifact, "fsync_path", lambda p: events.append(("fsync", p)) or fsync_path(p)
+    )
+    monkeypatch.setattr(
+        artifact,
+        "write_current",
+        lambda root, v: events.append(("current", root)) or write_current(root, v),
+    )
+    write_jsonl(tmp_path / "r.jsonl", vector_records(50, DIMS, seed=1))
+    model = make_model_dir(tmp_path / "m")
+    assert index_build(model, tmp_path / "r.jsonl", tmp_path / "root") == 0
+    vdir = artifact.current_version_dir(tmp_path / "root")
+    kinds = [kind for kind, _ in events]
+    assert kinds.count("current") == 1
+    stage = tmp_path / "root" / artifact.STAGING / vdir.name  # where it was written
+    synced = {
+        p.relative_to(stage).as_posix()
+        for kind, p in events[: kinds.index("current")]
+        if kind == "fsync" and p.is_relative_to(stage)
+    }
+    assert set(artifact.list_files(vdir)) | {artifact.MANIFEST} <= synced
