@@ -15,42 +15,57 @@ from collections.abc import Sequence
 
 from app.logs import configure_logging
 
+COMMANDS = ("train", "index", "serve", "demo", "bench")
 
-def build_parser() -> argparse.ArgumentParser:
-    from models import bench_expressivity, train_cli
 
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or, given a command word, one with that command alone: each
+    command's module is imported to declare its options, and `hclip index` needs neither the
+    service's settings (pydantic) nor the demo's (0.2 s of imports, measured)."""
     p = argparse.ArgumentParser(
         prog="hclip", description="Hadamard-CLIP training, indexing and search"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
+    wanted = COMMANDS if command is None else (command,)
 
-    train = sub.add_parser("train", help="train a model from a JSON config")
-    train_cli.add_arguments(train)
-    train.set_defaults(func=lambda a: train_cli.run(a))
+    if "train" in wanted:
+        from models import train_cli
 
-    from indexer import cli as index_cli
+        train = sub.add_parser("train", help="train a model from a JSON config")
+        train_cli.add_arguments(train)
+        train.set_defaults(func=lambda a: train_cli.run(a))
 
-    index = sub.add_parser("index", help="build, update and maintain versioned indexes")
-    index_cli.add_arguments(index)
+    if "index" in wanted:
+        from indexer import cli as index_cli
 
-    from app import serve_cli
+        index = sub.add_parser("index", help="build, update and maintain versioned indexes")
+        index_cli.add_arguments(index)
 
-    serve = sub.add_parser("serve", help="serve the published index over HTTP")
-    serve_cli.add_arguments(serve)
-    serve.set_defaults(func=serve_cli.run)
+    if "serve" in wanted:
+        from app import serve_cli
 
-    from app.demo import cli as demo_cli
+        serve = sub.add_parser("serve", help="serve the published index over HTTP")
+        serve_cli.add_arguments(serve)
+        serve.set_defaults(func=serve_cli.run)
 
-    demo = sub.add_parser("demo", help="digits shown, spoken and written: build, then serve")
-    demo_cli.add_arguments(demo)
-    demo.set_defaults(func=demo_cli.run)
+    if "demo" in wanted:
+        from app.demo import cli as demo_cli
 
-    bench = sub.add_parser("bench", help="benchmarks")
-    bench_sub = bench.add_subparsers(dest="bench", required=True)
-    expr = bench_sub.add_parser("expressivity", help="H-CLIP vs sum-of-pairs on 3-way interactions")
-    bench_expressivity.add_arguments(expr)
-    expr.set_defaults(func=bench_expressivity.main_args)
+        demo = sub.add_parser("demo", help="digits shown, spoken and written: build, then serve")
+        demo_cli.add_arguments(demo)
+        demo.set_defaults(func=demo_cli.run)
+
+    if "bench" in wanted:
+        from models import bench_expressivity
+
+        bench = sub.add_parser("bench", help="benchmarks")
+        bench_sub = bench.add_subparsers(dest="bench", required=True)
+        expr = bench_sub.add_parser(
+            "expressivity", help="H-CLIP vs sum-of-pairs on 3-way interactions"
+        )
+        bench_expressivity.add_arguments(expr)
+        expr.set_defaults(func=bench_expressivity.main_args)
     return p
 
 
@@ -74,7 +89,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from models.inputs import InputError
     from models.train_cli import USER_ERRORS
 
-    args = build_parser().parse_args(argv)
+    # The command first (as typed nearly always): its parser alone. Otherwise (an option
+    # first, no command, a misspelt one) the whole parser, whose help and errors list them all.
+    only = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(only).parse_args(argv)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return int(args.func(args))

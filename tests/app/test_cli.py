@@ -58,3 +58,37 @@ def test_otherwise_the_interpreter_is_torn_down(tmp_path: Path, args: list[str],
     done = hclip(*(a.format(root=tmp_path) for a in args), ray=ray)
     assert done.returncode == 0, done.stderr
     assert done.stdout.rstrip().endswith("torn down")
+
+
+# What a command loaded, and its exit code: the console script's body, then a look at
+# sys.modules (printed before the quick exit of an index command, from inside main's return).
+LOADED = """
+import sys
+from app.cli import main
+code = main(sys.argv[1:])
+print("loaded:", " ".join(m for m in ("app.serve_cli", "app.demo.cli", "indexer.cli")
+                          if m in sys.modules))
+print("code:", code)
+"""
+
+
+def loaded(*args: object) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-c", LOADED, *map(str, args)]
+    return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_an_index_command_loads_neither_the_service_nor_the_demo(tmp_path: Path) -> None:
+    done = loaded("index", "list", "--root", tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "loaded: indexer.cli\n" in done.stdout and "code: 0" in done.stdout
+    verbose = loaded("-v", "index", "list", "--root", tmp_path)  # an option first: all parsers
+    assert "code: 0" in verbose.stdout
+    assert "loaded: app.serve_cli app.demo.cli indexer.cli" in verbose.stdout
+
+
+def test_help_and_a_misspelt_command_still_name_every_command() -> None:
+    for args in (["--help"], ["idnex", "list"]):
+        done = hclip(*args)
+        shown = done.stdout + done.stderr
+        assert all(c in shown for c in ("train", "index", "serve", "demo", "bench")), shown
+    assert hclip("idnex").returncode == 2
