@@ -199,8 +199,9 @@ def publish(
     manifest: dict[str, Any],
     check: Callable[[Path], list[str]] | None = None,
 ) -> Path:
-    """Checksum, fsync, check, move the staged version into versions/, then point CURRENT at
-    it. `check` gets the staged directory once complete; any problem it names stops here."""
+    """Start the disk on the staged files, checksum and check them, fsync them, move the
+    staged version into versions/, then point CURRENT at it. `check` gets the staged directory
+    once complete; any problem it names stops here."""
     version_id = manifest["version"]
     start_writeback_tree(stage)
     # The checksums (blake3, which lets go of the GIL) are taken beside the check, which reads
