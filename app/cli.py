@@ -115,7 +115,14 @@ def run() -> None:
     leaves at once (os._exit), unless Ray was loaded: its clean-up at exit must run. An error
     that escapes main() takes the normal path, with its traceback."""
     argv = sys.argv[1:]
-    code = main(argv)
+    try:
+        code = main(argv)
+    except BrokenPipeError:
+        # Whoever read the output left (`hclip index list | head -1`): what was asked is done,
+        # only the printing failed. Leave quietly, as a tool killed by SIGPIPE would, and keep
+        # the interpreter's last flush of stdout from failing again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
     if _command(argv) in QUICK_EXIT_COMMANDS and "ray" not in sys.modules:
         logging.shutdown()
         with contextlib.suppress(BrokenPipeError):  # a reader that left wants nothing more

@@ -92,3 +92,18 @@ def test_help_and_a_misspelt_command_still_name_every_command() -> None:
         shown = done.stdout + done.stderr
         assert all(c in shown for c in ("train", "index", "serve", "demo", "bench")), shown
     assert hclip("idnex").returncode == 2
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
+    model = make_model_dir(tmp_path / "model")
+    records = write_jsonl(tmp_path / "r.jsonl", vector_records(20, DIMS))
+    root = tmp_path / "root"
+    built = hclip("index", "build", "--model", model, "--records", records, "--root", root)
+    assert built.returncode == 0, built.stderr
+    argv = [sys.executable, "-c", SCRIPT, "-", "index", "list", "--root", str(root)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # `hclip index list | head -0`: gone before the command prints
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 1, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
