@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DIMS, make_model_dir, vector_records, write_jsonl
+from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 # The console script's body, with an exit handler that says whether the interpreter was torn
@@ -95,11 +95,9 @@ def test_help_and_a_misspelt_command_still_name_every_command() -> None:
 
 
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
-    model = make_model_dir(tmp_path / "model")
     records = write_jsonl(tmp_path / "r.jsonl", vector_records(20, DIMS))
     root = tmp_path / "root"
-    built = hclip("index", "build", "--model", model, "--records", records, "--root", root)
-    assert built.returncode == 0, built.stderr
+    assert index_build(make_model_dir(tmp_path / "model"), records, root) == 0
     argv = [sys.executable, "-c", SCRIPT, "-", "index", "list", "--root", str(root)]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None and proc.stderr is not None
