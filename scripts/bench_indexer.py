@@ -17,25 +17,25 @@ gets and every other cost shows. The runs, each one `hclip index build` process:
 
 Each run prints records/s over the whole process (interpreter start to exit) and its ratio to
 the bare encoders (records/s through `model.encode` for the three modalities, inputs already
-decoded in memory as one tensor per record, one thread, the same batch size), measured in
-three passes right before and three right after each run (`bare`: on a shared machine that
-figure drifts by a third within minutes, and a ratio to a figure taken minutes earlier drifts
-with it). `ratio` is to their sustained rate (the passes' records over the passes' whole
-time): a build encodes in one long pass, which the host slows now and then as it does the
-passes, and a 7-s pass of the networks alone ran at 0.86-0.98 of its own best second on a
-quiet 2-vCPU EPYC. `(best)` is the ratio to the best single pass, the stricter figure that
-earlier versions of this script printed as the ratio; `(net)` is the ratio to the networks
-alone (`model.encode_batch` on stacked batches, the path the builds now take, which skips
-splitting a batch into rows and stacking them back), sustained; then the phases the
-build logs, in seconds: encode (read, check, encode and write the rows; for Ray also starting
-Ray and its actors) with its own ratio to the bare encoders in brackets, views, and publish
-(checksums, the full check of the staged version, shown apart as `check`, and fsync). torch
-runs one thread everywhere (OMP_NUM_THREADS=1); the local engine also runs a forked reader process,
-and Ray one process per actor. Peak RSS is each process's own high water mark (VmHWM, sampled
-from /proc every 0.2 s): the build's driver, the local engine's reader (forked: it shares the
-driver's pages until either writes them, so the two overlap), every Ray worker (the encoding
-actors, read tasks), and Ray's own processes (GCS, raylet, agents), summed. The parent stays
-small: it never imports torch; the model and the bare timing run in children.
+decoded in memory as one tensor per record, one thread, the same batch size), measured in three
+passes right before and three right after each run (`bare`: on a shared machine that figure
+drifts by a third within minutes, and a ratio to a figure taken minutes earlier drifts with
+it). `ratio` is to their sustained rate (the passes' records over the passes' whole time): a
+build encodes in one long pass, which the host slows now and then as it does the passes, and a
+7-s pass of the networks alone ran at 0.86-0.98 of its own best second on a quiet 2-vCPU EPYC.
+`(best)` is the ratio to the best single pass, the stricter figure that earlier versions of
+this script printed as the ratio; `(net)` is the ratio to the networks alone
+(`model.encode_batch` on stacked batches, the path the builds now take, which skips splitting a
+batch into rows and stacking them back), sustained; then the phases the build logs, in seconds:
+encode (read, check, encode and write the rows; for Ray also starting Ray and its actors) with
+its own ratio to the bare encoders in brackets, views, and publish (checksums, the full check
+of the staged version, shown apart as `check`, and fsync). torch runs one thread everywhere
+(OMP_NUM_THREADS=1); the local engine also runs a forked reader process, and Ray one process
+per actor. Peak RSS is each process's own high water mark (VmHWM, sampled from /proc every 0.2
+s): the build's driver, the local engine's reader (forked: it shares the driver's pages until
+either writes them, so the two overlap), every Ray worker (the encoding actors, read tasks),
+and Ray's own processes (GCS, raylet, agents), summed. The parent stays small: it never imports
+torch; the model and the bare timing run in children.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The `hclip` console script's exit (app.cli.run): an index command leaves without tearing
-the interpreter down, with all it printed and logged delivered and its exit code; other
-commands, and any run that loaded Ray, exit the usual way."""
+"""The `hclip` console script (app.cli): an index command leaves without tearing the
+interpreter down, with all it printed and logged delivered and its exit code, while other
+commands, and any run that loaded Ray, exit the usual way; a command typed first loads only its
+own module; a reader that leaves early ends the command without a traceback."""
 
 from __future__ import annotations
 
