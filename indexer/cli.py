@@ -9,12 +9,13 @@ from pathlib import Path
 
 from indexer import artifact, tune_cli
 from indexer.build import ENGINES, JobOptions, build, summary, update
+from indexer.ray_address import ClusterError
 from indexer.specs import IndexSpec, SpecError
 from indexer.verify import verify
 from indexer.views import parse_views
 from models.checkpoint import read_config
 
-USER_ERRORS = (artifact.ArtifactError, SpecError)
+USER_ERRORS = (artifact.ArtifactError, SpecError, ClusterError)
 FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 

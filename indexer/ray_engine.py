@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ from tqdm import tqdm
 from indexer.columnar import Checked, ChunkChecker, Reject
 from indexer.encode import Rows, RowWriter, Validator, encode_rows
 from indexer.ordering import Admission
+from indexer.ray_address import CLIENT_SCHEME, ClusterError, check_reachable
 from indexer.sources import (
     CHUNK_ROWS,
     Chunk,
@@ -447,6 +449,44 @@ def quiet_ray_data() -> None:
     logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)
 
 
+CLIENT_TRIES = 3  # starts of a Ray Client server per job before its failure is the job's
+CLIENT_RETRY_S = 2.0
+
+
+def connect(address: str, kwargs: dict[str, Any]) -> None:
+    """ray.init on an existing cluster, once its address is known to answer
+    (indexer.ray_address). Through Ray Client (`ray://`), the cluster starts a server process
+    for each client, and that start fails now and then on its side: the process dies while it
+    is forked (ray-project/ray#63202), and the client is told "Initialization failure from
+    server" (ConnectionAbortedError). The next start usually works (seen in this project's
+    CI), so a ray:// address gets CLIENT_TRIES of them. A cluster that cannot be joined ends
+    the job with a ClusterError that names the address."""
+    check_reachable(address)
+    for attempt in range(1, CLIENT_TRIES + 1):
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except ConnectionAbortedError as exc:
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            if not address.startswith(CLIENT_SCHEME) or attempt == CLIENT_TRIES:
+                raise ClusterError(
+                    f"--ray-address {address}: the cluster did not take this job "
+                    f"({attempt} tries; last: {reason})"
+                ) from exc
+            log.warning(
+                "the Ray cluster at %s failed to start this client's server (%s); "
+                "trying again (%d of %d)",
+                address,
+                reason,
+                attempt + 1,
+                CLIENT_TRIES,
+            )
+            ray.shutdown()  # whatever the failed connection left behind
+            time.sleep(CLIENT_RETRY_S)
+        except ConnectionError as exc:  # `auto` with no cluster on this machine, for one
+            raise ClusterError(f"--ray-address {address}: {exc}") from exc
+
+
 @contextmanager
 def ray_session(address: str | None, workers: int | None) -> Iterator[int]:
     """Ray for one job: an existing cluster (`address`), the Ray this process already runs, or
@@ -459,7 +499,7 @@ def ray_session(address: str | None, workers: int | None) -> Iterator[int]:
             "configure_logging": False,
         }
         if address:
-            ray.init(address=address, **kwargs)
+            connect(address, kwargs)
         else:
             cpus = workers or os.cpu_count() or 1
             ray.init(
