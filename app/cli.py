@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import logging
 import os
+import select
 import sys
 from collections.abc import Sequence
 
@@ -106,6 +107,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 QUICK_EXIT_COMMANDS = ("index",)
 
 
+def stdout_gone() -> bool:
+    """Whether stdout is a pipe that nobody reads any more (poll reports an error on the
+    write end of a pipe whose read end is closed)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no real file, or no poll here
+        return False
+
+
 def run() -> None:
     """The console script (and `python -m app.cli`): main(), then the exit.
 
@@ -118,6 +130,8 @@ def run() -> None:
     try:
         code = main(argv)
     except BrokenPipeError:
+        if not stdout_gone():
+            raise  # another pipe broke: a fault, with its traceback
         # Whoever read the output left (`hclip index list | head -1`): what was asked is done,
         # only the printing failed. Leave quietly, as a tool killed by SIGPIPE would, and keep
         # the interpreter's last flush of stdout from failing again at exit.

@@ -106,3 +106,19 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path: Path) -> None:
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 1, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_stdout_gone_tells_a_closed_reader_from_an_open_one() -> None:
+    code = "from app.cli import stdout_gone; import sys, time; time.sleep(1); " + (
+        "print(stdout_gone(), file=sys.stderr)"
+    )
+    for close_reader, want in ((False, "False"), (True, "True")):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        if close_reader:
+            proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=60)
+        assert err.strip().endswith(want), err
