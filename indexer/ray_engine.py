@@ -469,9 +469,10 @@ def connect(address: str, kwargs: dict[str, Any]) -> None:
         except ConnectionAbortedError as exc:
             reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
             if not address.startswith(CLIENT_SCHEME) or attempt == CLIENT_TRIES:
+                tries = f"{attempt} attempt{'s' if attempt > 1 else ''}"
                 raise ClusterError(
                     f"--ray-address {address}: the cluster did not take this job "
-                    f"({attempt} tries; last: {reason})"
+                    f"({tries}; the last: {reason})"
                 ) from exc
             log.warning(
                 "the Ray cluster at %s failed to start this client's server (%s); "

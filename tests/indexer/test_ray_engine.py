@@ -369,7 +369,7 @@ def test_ray_client_address(tmp_path: Path, ray_address: str) -> None:
         ("ray://head:10001", 2, 3, False),  # the third start of a client server works
         ("ray://head:10001", 3, 3, True),  # three failures: the job's
         ("auto", 1, 1, True),  # not Ray Client: no second try
-        ("10.0.0.7:6379", 1, 1, True),  # nor a GCS address (answering: see reachable below)
+        ("10.0.0.7:6379", 1, 1, True),  # nor a GCS address (its reachability: tested below)
     ],
 )
 def test_a_ray_client_connection_is_tried_again_when_the_server_fails_to_start(
