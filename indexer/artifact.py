@@ -59,12 +59,17 @@ def new_version_id() -> str:
     return stamp + "-" + secrets.token_hex(3)
 
 
-def fsync_path(path: Path) -> None:
+def _on_fd(path: Path, op: Callable[[int], object]) -> None:
+    """`op` on a read-only descriptor of `path` (a file or a directory)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        op(fd)
     finally:
         os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    _on_fd(path, os.fsync)
 
 
 def fsync_tree(path: Path) -> None:
@@ -81,11 +86,7 @@ def start_writeback_tree(path: Path) -> None:
     per 1M records waited for the fsync (measured: /proc/meminfo's Dirty through a build)."""
     for dirpath, _, files in os.walk(path):
         for f in files:
-            fd = os.open(Path(dirpath) / f, os.O_RDONLY)
-            try:
-                start_writeback(fd)
-            finally:
-                os.close(fd)
+            _on_fd(Path(dirpath) / f, start_writeback)
 
 
 @contextmanager
