@@ -302,6 +302,13 @@ class RowWriter:
         self._queue.join()
         self._raise_error()
 
+    def place(self, cpus: frozenset[int]) -> None:
+        """Keep the writer's thread to `cpus` from now on (indexer.cores.WriterSide)."""
+        self.cpus = cpus
+        thread = self._thread
+        if thread is not None and thread.native_id is not None:
+            cores.place_thread(cpus, thread.native_id)
+
     def _run(self) -> None:
         if self.cpus is not None:
             cores.place_thread(self.cpus)

@@ -3,12 +3,14 @@
 Two cores at work: a reader (indexer.prefetch: a forked child process, or a thread) reads
 chunks, checks them (indexer.columnar) and admits them in input order (indexer.ordering:
 duplicate ids, the first bad record); this process's main thread does nothing but encode the
-admitted rows; the writer's thread (indexer.encode.RowWriter) appends them to the version.
+admitted rows; the writer's thread (indexer.encode.RowWriter) appends them to the version, on
+the reader's core or the encoder's, whichever has time to spare (indexer.cores.WriterSide).
 Bounded queues between the three keep memory to a few chunks.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -77,14 +79,20 @@ def encode_local(
 
     chunks = ahead(read, AHEAD)
     writer.cpus = others
+    side = cores.WriterSide(placement, writer.place) if placement else None
     bar = tqdm(desc="encode", unit="rec", disable=not progress)
     before = writer.rows
     try:
         with cores.placed(placement.encoder if placement else None):
+            asked = time.perf_counter()  # for the next chunk
             for chunk in chunks:
+                got = time.perf_counter()
                 admission.rejected += chunk.rejected
                 write_admitted(model, chunk.rows, writer, batch_size)
                 bar.update(chunk.records)
+                if side is not None:  # waited for this chunk, then worked on it
+                    side.report(got - asked, time.perf_counter() - got)
+                asked = time.perf_counter()
             writer.drain()
     finally:
         chunks.close()

@@ -1,17 +1,24 @@
-"""The local engine's placement (indexer.cores): the encoder alone on one core, the reader and
-the writer on the others, only when torch encodes on one thread, and every thread put back."""
+"""The local engine's placement (indexer.cores): the encoder alone on one core, the reader on
+the others, the writer beside whichever has time to spare, only when torch encodes on one
+thread, and every thread put back."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from indexer import cores
+from indexer.build import JobOptions, build
+from indexer.columnar import Checked, ChunkChecker
+from indexer.encode import RowWriter
+from indexer.sources import Chunk
 from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
 
 pytestmark = pytest.mark.skipif(
@@ -70,3 +77,72 @@ def test_a_build_places_each_thread_and_puts_them_back(
     assert reader[0] == plan.others
     assert [cpus(c) for _, name, c in placed if name == "hclip-writer"] == [plan.others]
     assert frozenset(os.sched_getaffinity(0)) == allowed
+
+
+def test_the_writer_moves_to_the_core_that_has_time_to_spare() -> None:
+    plan = cores.Placement(frozenset({0}), frozenset({1}))
+    moved: list[frozenset[int]] = []
+    side = cores.WriterSide(plan, moved.append)
+    window = cores.WriterSide.WINDOW
+
+    def chunks(waited: float, worked: float) -> None:
+        for _ in range(window):
+            side.report(waited, worked)
+
+    side.report(5.0, 1.0)  # the first chunk waits for start-up: no verdict
+    chunks(0.0, 1.0)
+    assert moved == [] and side.cpus == plan.others
+    chunks(0.3, 1.0)  # the encoder waits for the reader: its core has time to spare
+    assert moved == [plan.encoder]
+    chunks(0.05, 1.0)  # between the two thresholds: where it is
+    assert moved == [plan.encoder]
+    chunks(0.01, 1.0)  # the encoder hardly waits now: back beside the reader
+    assert moved == [plan.encoder, plan.others]
+    for _ in range(window - 1):
+        side.report(1.0, 1.0)
+    assert len(moved) == 2  # one decision per window, not per chunk
+
+
+def test_a_writer_thread_is_moved_while_it_runs(tmp_path: Path) -> None:
+    allowed = sorted(os.sched_getaffinity(0))
+    writer = RowWriter(tmp_path, ["a"], 4)
+    writer.cpus = frozenset(allowed[1:])
+    try:
+        writer.write_rows(["x"], [b"{}"], np.ones((1, 1), bool), {"a": np.ones((1, 4), "f4")})
+        writer.drain()
+        thread = writer._thread
+        assert thread is not None and thread.native_id is not None
+        assert os.sched_getaffinity(thread.native_id) == set(allowed[1:])
+        writer.place(frozenset(allowed[:1]))
+        assert os.sched_getaffinity(thread.native_id) == set(allowed[:1])
+    finally:
+        writer.close()
+    assert writer.rows == 1
+
+
+def test_a_build_that_waits_on_its_reader_moves_the_writer_beside_the_encoder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_torch_thread: None
+) -> None:
+    plan = cores.plan()
+    assert plan is not None
+    real_check = ChunkChecker.check
+
+    def slow_check(self: ChunkChecker, chunk: Chunk) -> Checked:
+        time.sleep(0.02)  # a reader slower than the encoder (the forked reader inherits it)
+        return real_check(self, chunk)
+
+    monkeypatch.setattr(ChunkChecker, "check", slow_check)
+    moves: list[frozenset[int]] = []
+    real_place = RowWriter.place
+
+    def recording(self: RowWriter, cpus: frozenset[int]) -> None:
+        real_place(self, cpus)
+        moves.append(frozenset(os.sched_getaffinity(self._thread.native_id)))  # type: ignore[union-attr]
+
+    monkeypatch.setattr(RowWriter, "place", recording)
+    model = make_model_dir(tmp_path / "model")
+    records = write_jsonl(tmp_path / "r.jsonl", vector_records(400, DIMS))
+    opts = JobOptions(progress=False, chunk_rows=16, batch_size=16)
+    result = build(model, records, tmp_path / "root", opts)
+    assert result.manifest["counts"]["records"] == 400
+    assert moves[:1] == [plan.encoder]  # the kernel's word for where the writer runs now
