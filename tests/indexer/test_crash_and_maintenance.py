@@ -9,10 +9,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from indexer import artifact
-from indexer.verify import verify
+from indexer import verify as verify_module
+from indexer.verify import verify, verify_contents
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,3 +121,36 @@ def test_a_second_writer_is_refused_while_one_holds_the_lock(tmp_path: Path, cap
     with artifact.root_lock(root):
         assert index_build(model, tmp_path / "r.jsonl", root) == 2
     assert "another build, update or gc is running" in capsys.readouterr().err
+
+
+def test_the_full_check_recomputes_every_view_across_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Views over different rows (records lacking a modality), checked 16 record rows at a
+    time: a changed vector is named with its view and the first position of its chunk, and
+    the other views stay clean."""
+    records = vector_records(120, DIMS)
+    for i, r in enumerate(records):
+        if i % 3 == 0:
+            del r["c"]
+        if i % 5 == 0:
+            del r["a"]
+    write_jsonl(tmp_path / "r.jsonl", records)
+    root = tmp_path / "root"
+    assert index_build(make_model_dir(tmp_path / "m"), tmp_path / "r.jsonl", root) == 0
+    vdir = artifact.current_version_dir(root)
+    monkeypatch.setattr(verify_module, "CHUNK", 16)
+    assert verify_contents(vdir) == []
+    rows = np.load(vdir / "views" / "b+c.rows.npy")
+    assert 0 < len(rows) < 120
+    vectors = np.load(vdir / "views" / "b+c.npy", mmap_mode="r+")
+    vectors[40] += 0.5
+    vectors.flush()
+    del vectors
+    chunk_start = int(rows[40]) // 16 * 16
+    first = int(np.searchsorted(rows, chunk_start))
+    assert verify_contents(vdir) == [f"view b+c: vectors at positions {first}.. differ"]
+    np.save(vdir / "views" / "a+c.rows.npy", np.load(vdir / "views" / "a+c.rows.npy")[1:])
+    problems = verify_contents(vdir)
+    assert "view a+c: rows differ from the records that have ('b',)" in problems  # its target
+    assert len(problems) == 2
