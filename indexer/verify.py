@@ -73,14 +73,16 @@ def verify_contents(vdir: Path) -> list[str]:
 
 @dataclass
 class _FlatView:
-    """A flat view whose vectors are to be recomputed: its rows (sorted record rows) and
-    vectors, and whether its file is the stored embeddings of its one target modality."""
+    """A flat view whose vectors are to be recomputed: its target's columns in the presence
+    flags, its vectors, whether its file is the stored embeddings of its one target modality,
+    and how many of its positions are checked so far."""
 
     name: str
     target: tuple[str, ...]
-    rows: np.ndarray
+    columns: list[int]
     vectors: NpyRows
     linked: bool
+    checked: int = 0
     problem: str | None = None
 
 
@@ -106,7 +108,8 @@ def _view_problems(vdir: Path, names: list[str], manifest: dict[str, Any]) -> li
         # what is left to check is that the head's factor of this one modality is its
         # embeddings as they are, which the first chunk shows.
         linked = len(target) == 1 and os.path.samefile(path, embedding_path(vdir, target[0]))
-        flat.append(_FlatView(name, target, expected, vectors, linked))
+        columns = [names.index(n) for n in target]
+        flat.append(_FlatView(name, target, columns, vectors, linked))
     cfg = manifest["model"]["config"]
     # Record factors are parameter-free for every head, so no weights are needed to recompute.
     head = build_head(cfg["head"], names, cfg["latent_dim"])
@@ -117,9 +120,10 @@ def _view_problems(vdir: Path, names: list[str], manifest: dict[str, Any]) -> li
 @torch.no_grad()
 def _recompute(head: Head, stored: StoredRows, views: list[_FlatView]) -> None:
     """Each view's vectors against the factors recomputed from the stored embeddings, CHUNK
-    record rows at a time, reading each modality's rows once for every view that needs them
-    (views hold sorted record rows, so a chunk's share of a view is one span of positions).
-    The first mismatch of a view is its `problem`.
+    record rows at a time, reading each modality's rows once for every view that needs them.
+    A view holds, in order, the records that have its target modalities, so a chunk's share
+    of it is the next span of positions, found from the presence flags alone (no list of rows
+    per view: 8 bytes a record each). The first mismatch of a view is its `problem`.
 
     Why one pass and not a view at a time: with three modalities, the three two-modality
     views read each embedding twice, and reading was most of this check: 2.3 GB of reads per
@@ -133,13 +137,16 @@ def _recompute(head: Head, stored: StoredRows, views: list[_FlatView]) -> None:
         needed = sorted({n for v in todo for n in v.target})
         span = np.arange(start, stop)
         embs = {n: torch.from_numpy(np.asarray(stored.embeddings[n][span])) for n in needed}
+        presence = np.asarray(stored.presence[start:stop])
         for v in todo:
-            lo, hi = np.searchsorted(v.rows, (start, stop))
+            mine = np.flatnonzero(presence[:, v.columns].all(axis=1))
+            lo, hi = v.checked, v.checked + len(mine)
+            v.checked = hi
             if lo == hi:
                 continue
-            at = torch.from_numpy(v.rows[lo:hi] - start)
-            mine = {n: embs[n] if hi - lo == stop - start else embs[n][at] for n in v.target}
-            want = np.ascontiguousarray(head.record_factor(mine, v.target).numpy(), "<f4")
+            at = torch.from_numpy(mine)
+            part = {n: embs[n] if hi - lo == stop - start else embs[n][at] for n in v.target}
+            want = np.ascontiguousarray(head.record_factor(part, v.target).numpy(), "<f4")
             got = v.vectors[np.arange(lo, hi)]
             if not np.array_equal(got, want) and not np.allclose(got, want, rtol=1e-5, atol=1e-6):
                 v.problem = f"vectors at positions {lo}.. differ"
