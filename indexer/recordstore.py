@@ -191,11 +191,23 @@ class RecordStoreWriter:
         for a in (self._ids_off, self._payloads_off, self._presence):
             a.close()
         hashes = np.concatenate(self._hashes) if self._hashes else np.zeros(0, np.uint64)
-        order = np.argsort(hashes, kind="stable")
+        order = id_order(hashes)
         np.save(self.dir / ID_HASH, hashes[order])
         np.save(self.dir / ID_ROW, order.astype(np.int64))
         self._hashes.clear()
         self.fields_info = self.fields.close()
+
+
+def id_order(hashes: np.ndarray) -> np.ndarray:
+    """The rows in the order of their id hashes, equal hashes in row order (a stable sort's
+    order). numpy's default sort is 4 times as fast as its stable one on 64-bit keys (0.025
+    against 0.095 s per 1M, a build's close; 2-vCPU Sapphire Rapids Xeon) and only differs
+    on equal hashes, which 64 bits make all but absent; where there are some, the stable one."""
+    order = np.argsort(hashes)
+    ordered = hashes[order]
+    if len(ordered) > 1 and bool((ordered[1:] == ordered[:-1]).any()):
+        order = np.argsort(hashes, kind="stable")
+    return order
 
 
 CHECK_ROWS = 8192  # rows checked at once by RecordStore.problems

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from indexer import artifact, recordstore
 from indexer.reader import LoadedVersion
-from indexer.recordstore import RecordStore, RecordStoreWriter
+from indexer.recordstore import RecordStore, RecordStoreWriter, id_order
 from indexer.verify import verify
 from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
 
@@ -155,3 +155,13 @@ def test_payload_check_names_the_first_that_is_not_an_object(case: str) -> None:
     payloads, first_bad = PAYLOAD_CASES[case]
     offsets = np.concatenate([[0], np.cumsum([len(p) for p in payloads])]).astype(np.int64)
     assert recordstore._not_objects(b"".join(payloads), offsets) == first_bad
+
+
+def test_ids_are_ordered_by_hash_with_equal_hashes_in_row_order() -> None:
+    hashes = np.array([5, 3, 5, 1, 3], dtype=np.uint64)
+    assert id_order(hashes).tolist() == [3, 1, 4, 0, 2]  # as a stable sort orders them
+    many = np.random.default_rng(0).integers(0, 2**63, 10_000).astype(np.uint64)
+    assert np.array_equal(id_order(many), np.argsort(many, kind="stable"))
+    tied = np.concatenate([many, many[::-1]])  # every hash twice
+    assert np.array_equal(id_order(tied), np.argsort(tied, kind="stable"))
+    assert id_order(np.zeros(0, np.uint64)).tolist() == []
