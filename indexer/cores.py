@@ -12,10 +12,10 @@ thread that leads an OpenMP pool would squeeze the pool onto its core. Linux onl
 The writer starts on the reader's side, right while the encoder is the bottleneck (Parquet,
 whose reader idles half the time). Where the reader is the bottleneck (JSON Lines, whose
 parsing takes longer than the encoding on a fast core), the encoder waits for chunks with its
-core idle, and the writer moves there (WriterSide): on a 2-vCPU Sapphire Rapids Xeon a 1M-record
-JSON Lines build's encoding phase took 8.2-9.0 s with the writer beside the reader and 7.1-7.4 s
-beside the encoder, while Parquet's took 5.4-6.0 s beside the reader and 6.2-6.5 s elsewhere
-(alternating runs).
+core idle, and the writer moves there (WriterSide): on a 2-vCPU Xeon with AMX (KVM, model
+167) a 1M-record JSON Lines build's encoding phase took 8.1-9.0 s with the writer beside the
+reader and 7.1-7.4 s beside the encoder, while Parquet's took 5.4-6.0 s beside the reader and
+6.2-6.5 s with the writer left to the scheduler (alternating runs).
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ class RecordStoreWriter:
 def id_order(hashes: np.ndarray) -> np.ndarray:
     """The rows in the order of their id hashes, equal hashes in row order (a stable sort's
     order). numpy's default sort is 4 times as fast as its stable one on 64-bit keys (0.025
-    against 0.095 s per 1M, a build's close; 2-vCPU Sapphire Rapids Xeon) and only differs
+    against 0.095 s per 1M, a build's close; 2-vCPU Xeon with AMX) and only differs
     on equal hashes, which 64 bits make all but absent; where there are some, the stable one."""
     order = np.argsort(hashes)
     ordered = hashes[order]

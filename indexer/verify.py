@@ -128,7 +128,7 @@ def _recompute(head: Head, stored: StoredRows, views: list[_FlatView]) -> None:
     Why one pass and not a view at a time: with three modalities, the three two-modality
     views read each embedding twice, and reading was most of this check: 2.3 GB of reads per
     1M records instead of 1.5 GB, 0.6 s instead of 0.41 s alone, and a build's whole
-    pre-publish check 0.92-0.95 s instead of 0.80-0.83 s (2-vCPU Sapphire Rapids Xeon)."""
+    pre-publish check 0.92-0.95 s instead of 0.80-0.83 s (2-vCPU Xeon with AMX, model 167)."""
     for start in range(0, stored.count, CHUNK):
         stop = min(start + CHUNK, stored.count)
         todo = [v for v in views if v.problem is None and (not v.linked or start == 0)]
