@@ -85,22 +85,28 @@ def test_the_writer_moves_to_the_core_that_has_time_to_spare() -> None:
     side = cores.WriterSide(plan, moved.append)
     window = cores.WriterSide.WINDOW
 
-    def chunks(waited: float, worked: float) -> None:
-        for _ in range(window):
-            side.report(waited, worked)
+    def chunks(waited: float, worked: float, late: int = window) -> None:
+        """A window whose first `late` chunks waited `waited` s, the others none."""
+        for i in range(window):
+            side.report(waited if i < late else 0.0, worked)
 
     side.report(5.0, 1.0)  # the first chunk waits for start-up: no verdict
     chunks(0.0, 1.0)
     assert moved == [] and side.cpus == plan.others
-    chunks(0.3, 1.0)  # the encoder waits for the reader: its core has time to spare
+    chunks(5.0, 1.0, late=1)  # one stall of the reader: not a bottleneck
+    assert moved == []
+    chunks(0.3, 1.0)  # the encoder waits for every chunk: its core has time to spare
     assert moved == [plan.encoder]
-    chunks(0.05, 1.0)  # between the two thresholds: where it is
-    assert moved == [plan.encoder]
-    chunks(0.01, 1.0)  # the encoder hardly waits now: back beside the reader
+    chunks(0.3, 1.0, late=3)  # between the two counts: where it is
+    chunks(0.05, 1.0)  # waits under a tenth of a chunk's time do not count
     assert moved == [plan.encoder, plan.others]
+    chunks(0.3, 1.0, late=5)
+    assert len(moved) == 2
     for _ in range(window - 1):
         side.report(1.0, 1.0)
     assert len(moved) == 2  # one decision per window, not per chunk
+    side.report(1.0, 1.0)
+    assert moved[-1] == plan.encoder and len(moved) == 3
 
 
 def test_a_writer_thread_is_moved_while_it_runs(tmp_path: Path) -> None:
