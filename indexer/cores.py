@@ -81,10 +81,10 @@ class WriterSide:
     two keeps it from moving to and fro).
 
     Chunks are counted, not seconds summed, so that one stall of the reader does not move
-    the writer: a 3M-record Parquet build, encoder-bound throughout, once waited 0.3 s for a
-    single chunk (52% of a window's time), and a rule on the window's time share moved the
-    writer onto the encoder's core for the rest of the build. The first chunk's wait is
-    start-up, not a verdict."""
+    the writer: in a 3M-record Parquet build, encoder-bound throughout, a stall of the reader
+    took 52% of one window's time, and a rule on the window's time share moved the writer
+    onto the encoder's core for the rest of the build (seen with `hclip -v`). The first
+    chunk's wait is start-up, not a verdict."""
 
     WINDOW = 8  # chunks per decision: at most one move per 64k records at the default chunk
     WAITED = 0.10  # of a chunk's time, waiting for it
