@@ -97,7 +97,6 @@ class WriterSide:
         self.cpus = placement.others
         self.late = 0  # chunks of this window waited for
         self.chunks = -1  # the first report is skipped
-        self.moves = 0
 
     def report(self, waited: float, worked: float) -> None:
         self.chunks += 1
@@ -118,5 +117,4 @@ class WriterSide:
             "writer moves to cores %s (%d of %d chunks waited for)", sorted(cpus), late, self.WINDOW
         )
         self.cpus = cpus
-        self.moves += 1
         self.move(cpus)
