@@ -5,6 +5,7 @@ process. Prints figures; it is not a test (this machine is shared and noisy).
     python scripts/bench_indexer.py --records 100000      # a quicker look
     python scripts/bench_indexer.py --runs local-jsonl ray-2
     python scripts/bench_indexer.py --sweep               # peak RSS by record count and batch
+    python scripts/bench_indexer.py --repo ../before --runs local-parquet local-jsonl
 
 Records have three 16-d `vector` modalities (a, b, c) and a small payload (as in
 bench_scale.py); the model is an untrained H-CLIP with d = 64, so encoding is as cheap as it
@@ -36,6 +37,11 @@ s): the build's driver, the local engine's reader (forked: it shares the driver'
 either writes them, so the two overlap), every Ray worker (the encoding actors, read tasks),
 and Ray's own processes (GCS, raylet, agents), summed. The parent stays small: it never imports
 torch; the model and the bare timing run in children.
+
+`--repo` builds with another checkout of this project (any version whose `hclip index build`
+takes --model, --records, --root, --quiet and --batch-size), for before-and-after figures on one
+machine: the records, the model and the bare encoders stay this checkout's, so only the build
+differs. A version that logs no phases shows `-` for them.
 """
 
 from __future__ import annotations
@@ -58,6 +64,8 @@ import numpy as np
 DIMS = {"a": 16, "b": 16, "c": 16}
 LATENT = 64
 RUNS = ("local-jsonl", "local-parquet", "ray-1", "ray-2")
+OPENBLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+REPO = Path(__file__).resolve().parents[1]
 TIMINGS = re.compile(r"timings: (.*)$", re.M)
 
 
@@ -217,9 +225,11 @@ def _role(is_driver: bool, cmd: list[bytes]) -> str:
     return "ray system"
 
 
-def run_build(cmd: list[str], env: dict[str, str]) -> dict[str, Any]:
+def run_build(cmd: list[str], env: dict[str, str], cwd: Path | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=cwd
+    )
     err: list[bytes] = []
     reader = threading.Thread(target=lambda: err.append(proc.stderr.read() if proc.stderr else b""))
     reader.start()
@@ -282,7 +292,7 @@ def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
         root = work / f"root-{run}"
         os.sync()  # nothing left of the previous run for the disk to write during this one
         before = json.loads(_child("bare_encoder_rate", str(model), min(n, 100_000), batch))
-        r = run_build(build_cmd(model, records, root, batch, run), env)
+        r = run_build(build_cmd(model, records, root, batch, run), env, cwd=args.repo)
         shutil.rmtree(root)  # a 1M-record version is about 2.5 GB: keep one at a time
         after = json.loads(_child("bare_encoder_rate", str(model), min(n, 100_000), batch))
         r["bare_rec_s"] = (before["sustained"] + after["sustained"]) / 2
@@ -305,13 +315,34 @@ def engines(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[s
         print(
             f"{run:<14} {r['records_s']:>9,.0f} {r['bare_rec_s']:>8,.0f} {r['wall_s']:>7.1f} "
             f"{r['ratio']:>6.2f} {r['ratio_best']:>6.2f} "
-            f"{r['ratio_networks']:>6.2f} {t.get('encode_s', 0):>7.1f} "
-            f"{r['encode_ratio'] or 0:>7.2f} "
-            f"{t.get('views_s', 0):>6.1f} {t.get('check_s', 0):>6.1f} "
-            f"{t.get('publish_s', 0):>7.1f}  {rss}"
+            f"{r['ratio_networks']:>6.2f} {_phase(t.get('encode_s'), 7, '.1f')} "
+            f"{_phase(r['encode_ratio'], 7, '.2f')} "
+            f"{_phase(t.get('views_s'), 6, '.1f')} {_phase(t.get('check_s'), 6, '.1f')} "
+            f"{_phase(t.get('publish_s'), 7, '.1f')}  {rss}"
         )
     out = {"records": n, "batch": batch, "bare_encoder_rec_s": bare, "networks_rec_s": net}
     return {**out, "runs": results}
+
+
+def _phase(seconds: float | None, width: int, spec: str) -> str:
+    """A phase's figure, or `-` where the build did not log it (an older checkout)."""
+    return f"{'-' if seconds is None else format(seconds, spec):>{width}}"
+
+
+def machine() -> str:
+    """The CPU and the OpenBLAS settings the figures were taken with: they differ between
+    machines of one kind, and a figure means little without them."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+    def field(name: str) -> str:
+        found = re.search(rf"^{name}\s*:\s*(.*)$", info, re.M)
+        return found.group(1).strip() if found else "?"
+
+    blas = ", ".join(f"{k}={os.environ[k]}" for k in OPENBLAS_VARS if k in os.environ)
+    return (
+        f"CPU: {field('model name')} (family {field('cpu family')} model {field('model')}), "
+        f"{os.cpu_count()} CPUs; {blas or 'OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset'}"
+    )
 
 
 def sweep(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str, Any]:
@@ -324,7 +355,8 @@ def sweep(args: argparse.Namespace, work: Path, env: dict[str, str]) -> dict[str
         jsonl = work / f"records-{n}.jsonl"
         _child("write_records", str(jsonl), str(work / f"records-{n}.parquet"), n)
         for batch in args.batch_sizes:
-            r = run_build(build_cmd(model, jsonl, work / f"root-{n}-{batch}", batch, "local"), env)
+            cmd = build_cmd(model, jsonl, work / f"root-{n}-{batch}", batch, "local")
+            r = run_build(cmd, env, cwd=args.repo)
             rss = r["peak_rss_mb"]["driver"][0]
             rows.append({"records": n, "batch": batch, **r})
             print(f"{n:>9} {batch:>6} {rss:>12.0f} {r['wall_s']:>8.1f} {n / r['wall_s']:>9,.0f}")
@@ -341,17 +373,43 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 1024])
     p.add_argument("--work", type=Path, help="keep records and indexes here (default: a temp dir)")
     p.add_argument("--out", type=Path, default=Path("bench-out/indexer.json"))
+    p.add_argument(
+        "--repo",
+        type=Path,
+        default=REPO,
+        help="the checkout whose `hclip index build` runs (default: this one)",
+    )
     args = p.parse_args()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    args.repo = args.repo.resolve()
+    if not (args.repo / "app" / "cli.py").is_file():
+        p.error(f"--repo {args.repo}: no app/cli.py there, not a checkout of this project")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(args.repo)}
     env.pop("RAY_ADDRESS", None)  # the Ray runs start their own local Ray
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp)
+        print(f"{machine()}\nbuilds by the checkout at {args.repo} ({_commit(args.repo)})")
         figures = sweep(args, work, env) if args.sweep else engines(args, work, env)
+        figures.update(machine=machine(), repo=str(args.repo), commit=_commit(args.repo))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")
     print(f"figures in {args.out}")
+
+
+def _commit(repo: Path) -> str:
+    """The checkout's commit, with `+changes` when its tracked files differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(repo), "diff", "--quiet", "HEAD"]).returncode
+    except (OSError, subprocess.CalledProcessError):
+        return "not a git checkout"
+    return head + ("+changes" if dirty else "")
 
 
 def _child(func: str, *args: str | int) -> str:
