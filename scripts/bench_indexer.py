@@ -388,7 +388,7 @@ def main() -> None:
     if args.work:
         args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
-        work = Path(tmp)
+        work = Path(tmp).resolve()  # absolute: with --repo the builds run in that checkout
         print(f"{machine()}\nbuilds by the checkout at {args.repo} ({_commit(args.repo)})")
         figures = sweep(args, work, env) if args.sweep else engines(args, work, env)
         figures.update(machine=machine(), repo=str(args.repo), commit=_commit(args.repo))
