@@ -332,16 +332,12 @@ def _phase(seconds: float | None, width: int, spec: str) -> str:
 def machine() -> str:
     """The CPU and the OpenBLAS settings the figures were taken with: they differ between
     machines of one kind, and a figure means little without them."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-
-    def field(name: str) -> str:
-        found = re.search(rf"^{name}\s*:\s*(.*)$", info, re.M)
-        return found.group(1).strip() if found else "?"
+    from bench_server import cpu_model  # beside this script; it imports numpy only
 
     blas = ", ".join(f"{k}={os.environ[k]}" for k in OPENBLAS_VARS if k in os.environ)
     return (
-        f"CPU: {field('model name')} (family {field('cpu family')} model {field('model')}), "
-        f"{os.cpu_count()} CPUs; {blas or 'OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset'}"
+        f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; "
+        f"{blas or 'OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE unset'}"
     )
 
 
@@ -389,9 +385,10 @@ def main() -> None:
         args.work.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         work = Path(tmp).resolve()  # absolute: with --repo the builds run in that checkout
-        print(f"{machine()}\nbuilds by the checkout at {args.repo} ({_commit(args.repo)})")
+        where = {"machine": machine(), "repo": str(args.repo), "commit": _commit(args.repo)}
+        print(f"{where['machine']}\nbuilds by the checkout at {args.repo} ({where['commit']})")
         figures = sweep(args, work, env) if args.sweep else engines(args, work, env)
-        figures.update(machine=machine(), repo=str(args.repo), commit=_commit(args.repo))
+        figures.update(where)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(figures, indent=2) + "\n")
     print(f"figures in {args.out}")

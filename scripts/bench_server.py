@@ -344,10 +344,15 @@ def served(repo: Path, root: Path, workers: int, seconds: float, port: int) -> d
 
 
 def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
+    """The CPU as the kernel names it, with its family and model: machines of one kind differ,
+    and the name alone ("AMD EPYC") does not tell a Zen 3 from a Zen 5."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+
+    def field(name: str) -> str:
+        found = re.search(rf"^{name}\s*:\s*(.*)$", info, re.M)
+        return found.group(1).strip() if found else "?"
+
+    return f"{field('model name')} (family {field('cpu family')} model {field('model')})"
 
 
 def print_table(title: str, t: dict[str, Any]) -> None:
