@@ -14,7 +14,7 @@ import select
 import sys
 from collections.abc import Sequence
 
-from app.logs import configure_logging
+from app.core.logs import configure_logging
 
 COMMANDS = ("train", "index", "serve", "demo", "bench")
 
@@ -22,7 +22,7 @@ COMMANDS = ("train", "index", "serve", "demo", "bench")
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser, or, given a command word, one with that command alone: each
     command's module is imported to declare its options, and `hclip index` needs neither the
-    service's settings (pydantic) nor the demo's (0.2 s of imports, measured)."""
+    service's settings (pydantic) nor the demo's imports."""
     p = argparse.ArgumentParser(
         prog="hclip", description="Hadamard-CLIP training, indexing and search"
     )
@@ -31,7 +31,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     wanted = COMMANDS if command is None else (command,)
 
     if "train" in wanted:
-        from models import train_cli
+        from models.train import cli as train_cli
 
         train = sub.add_parser("train", help="train a model from a JSON config")
         train_cli.add_arguments(train)
@@ -44,7 +44,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         index_cli.add_arguments(index)
 
     if "serve" in wanted:
-        from app import serve_cli
+        from app.server import serve as serve_cli
 
         serve = sub.add_parser("serve", help="serve the published index over HTTP")
         serve_cli.add_arguments(serve)
@@ -58,7 +58,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         demo.set_defaults(func=demo_cli.run)
 
     if "bench" in wanted:
-        from models import bench_expressivity
+        from benchmarks import expressivity as bench_expressivity
 
         bench = sub.add_parser("bench", help="benchmarks")
         bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -87,8 +87,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from app.demo.data import DemoError
     from indexer.cli import USER_ERRORS as INDEX_ERRORS
     from models.extras import ExtraMissing
-    from models.inputs import InputError
-    from models.train_cli import USER_ERRORS
+    from models.limits import InputError
+    from models.train.cli import USER_ERRORS
 
     # The command first (as typed nearly always): its parser alone. Otherwise (an option
     # first, no command, a misspelt one) the whole parser, whose help and errors list them all.
@@ -121,11 +121,11 @@ def stdout_gone() -> bool:
 def run() -> None:
     """The console script (and `python -m app.cli`): main(), then the exit.
 
-    Tearing down an interpreter that has loaded torch takes 0.3-0.4 s (measured on a 2-vCPU
-    Xeon: module teardown and torch's own destructors), a few percent of a 1M-record build. So
-    after an index command, once stdout, stderr and the log handlers are flushed, the process
-    leaves at once (os._exit), unless Ray was loaded: its clean-up at exit must run. An error
-    that escapes main() takes the normal path, with its traceback."""
+    Tearing down an interpreter that has loaded torch (module teardown, torch's destructors)
+    takes a noticeable part of a second. So after an index command, once stdout, stderr and
+    the log handlers are flushed, the process leaves at once (os._exit), unless Ray was
+    loaded: its clean-up at exit must run. An error that escapes main() takes the normal path,
+    with its traceback."""
     argv = sys.argv[1:]
     try:
         code = main(argv)

@@ -15,25 +15,25 @@ import torch
 from fastapi import FastAPI
 from starlette.types import Receive, Scope, Send
 
-from app import errors, openapi
-from app.cache import make_cache
-from app.fastpath import SearchFastPath, is_fast_path
-from app.metrics import Metrics
-from app.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
-from app.requests import ApiRoute
-from app.responses import JSONResponse
-from app.routes import ops, page, records, search
-from app.serving import ServingVersion, VersionManager
-from app.settings import Settings, get_settings
-from app.state import AppState
-from app.workers import WorkerPools
+from app.api import handlers, ops, page, records, search
+from app.api import openapi as api_doc
+from app.api.fastpath import SearchFastPath, is_fast_path
+from app.api.http import ApiRoute, JSONResponse
+from app.api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
+from app.core.metrics import Metrics
+from app.core.settings import Settings, get_settings
+from app.services.cache import make_cache
+from app.services.search import SearchService
+from app.services.state import AppState
+from app.services.threads import WorkerPools
+from app.services.versions import ServingVersion, VersionManager
 
 log = logging.getLogger(__name__)
 
 
 class App(FastAPI):
     """FastAPI, with POST /v1/search taken before the framework's own layers (its telemetry,
-    error and body-limit middlewares, routing): see app/fastpath.py."""
+    error and body-limit middlewares, routing): see app/api/fastpath.py."""
 
     fast_path: SearchFastPath | None = None
 
@@ -55,15 +55,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # One thread each: on two cores, two OpenMP threads per query made searches 3-6x slower.
         # OpenMP counts are per thread: the worker pools set theirs in their own threads; this
-        # covers the event loop's thread, where vector encoders and query factors run.
-        torch.set_num_threads(settings.torch_threads)
-        faiss.omp_set_num_threads(settings.faiss_threads)
-        # numpy's OpenBLAS (the "numpy" search kernel) keeps a pthread pool of one thread per
-        # core, process-wide, whose threads spin after each call: held to the searches' count.
-        threadpoolctl.threadpool_limits(settings.faiss_threads, user_api="blas")
-        pools = WorkerPools(settings.faiss_threads, settings.torch_threads)
+        # covers the event loop's thread, where vector encoders and searches on the loop run.
+        torch.set_num_threads(settings.encode_threads)
+        faiss.omp_set_num_threads(settings.search_threads)
+        # numpy's OpenBLAS keeps a pool of one thread per core, process-wide: held to a share.
+        threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")
+        pools = WorkerPools(settings.search_threads, settings.encode_threads)
         cache = make_cache(
             settings.redis_url,
             max_items=settings.cache_max_items,
@@ -72,7 +70,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics=metrics,
         )
         versions = VersionManager(settings, metrics, pools)
-        app.state.hclip = AppState(settings, metrics, cache, versions, pools)
+        service = SearchService(settings, metrics, cache)
+        app.state.hclip = AppState(settings, metrics, cache, versions, pools, service)
         log.info("index root %s, cache %s", settings.root, cache.backend)
         poller = asyncio.create_task(versions.poll_forever())  # its first pass loads CURRENT
         try:
@@ -94,7 +93,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.router.route_class = ApiRoute
-    errors.install(app)
+    handlers.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
@@ -108,7 +107,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (search, ops, records):
         app.include_router(module.router)
     page.install(app, settings.media_dir)
-    openapi.install(app, settings, lambda: _current(app))
+    api_doc.install(app, settings, lambda: _current(app))
     return app
 
 

@@ -7,12 +7,13 @@ import json
 import re
 from pathlib import Path
 
-from indexer import artifact, tune_cli
-from indexer.build import ENGINES, JobOptions, build, summary, update
-from indexer.ray_address import ClusterError
-from indexer.specs import IndexSpec, SpecError
-from indexer.verify import verify
-from indexer.views import parse_views
+from indexer.build import retune as tune_cli
+from indexer.build.jobs import ENGINES, JobOptions, build, summary, update
+from indexer.build.ray_address import ClusterError
+from indexer.build.views import parse_views
+from indexer.search.specs import IndexSpec, SpecError
+from indexer.store import artifact
+from indexer.store.verify import verify
 from models.checkpoint import read_config
 
 USER_ERRORS = (artifact.ArtifactError, SpecError, ClusterError)

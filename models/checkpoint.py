@@ -96,7 +96,10 @@ def load_model(model_dir: str | Path) -> MultimodalModel:
     cfg, _ = read_config(model_dir)
     weights = model_dir / WEIGHTS_FILE
     state = read_tensors(weights, CheckpointError)
-    model = build_model(cfg)
+    try:
+        model = build_model(cfg)
+    except ConfigError as exc:
+        raise CheckpointError(f"{model_dir / CONFIG_FILE}: {exc}") from None
     check_tensors(weights, state, model.state_dict(), CheckpointError)
     model.load_state_dict(state, strict=True)
     model.eval()

@@ -9,15 +9,15 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
-from models.encoders import Encoder, build_encoder
-from models.featurizers import stack
+from models.encoders import Encoder, build_encoder, stack
 from models.heads import Head, build_head
+from models.plugins import resolve_options
 
 
 class MultimodalModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.cfg = cfg
+        self.cfg = cfg = resolve_options(cfg)  # plugins found, their options completed
         self.encoders = nn.ModuleDict(
             {n: build_encoder(cfg.modalities[n], cfg.latent_dim) for n in cfg.names}
         )
@@ -41,8 +41,8 @@ class MultimodalModel(nn.Module):
     def encode_batch(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         """(B, d) unit embeddings of a (B, dim) batch of fixed-length inputs (`vector` and
         `embedding` kinds): what `encode(modality, list(batch))` returns, without splitting
-        the batch into rows for the featurizer to stack back (a third of the encoders' time
-        on 16-d inputs, measured). Kinds whose featurizer does more than stack take that path."""
+        the batch into rows for the featurizer to stack back. Kinds whose featurizer does more
+        than stack take that path."""
         enc = self.encoder(modality)
         if enc.featurizer is not stack:
             return enc.encode(list(batch))

@@ -19,6 +19,7 @@ import json
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import replace
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.config import ModalityConfig
-from models.inputs import InputLimits
+from models.config import ConfigError, ModalityConfig, ModelConfig
+from models.limits import InputLimits
 from models.tensor_files import check_tensors, read_tensors
 
 ENTRY_POINT_GROUP = "hclip.encoders"
@@ -162,3 +163,30 @@ def load_tower(cfg: ModalityConfig) -> nn.Module:
         if key not in _towers:
             _towers[key] = _build_tower(cfg, path)
         return _towers[key]
+
+
+def resolve_options(cfg: ModelConfig) -> ModelConfig:
+    """The config with every plugin modality's plugin found and its options checked and
+    completed by the plugin (what the model is built from and its config.json stores). Errors
+    name the field by its JSON path (`modalities.img.options.size: ...`)."""
+    resolved = dict(cfg.modalities)
+    for name in cfg.names:
+        m = cfg.modalities[name]
+        if m.kind != "plugin":
+            continue
+        path = f"modalities.{name}"
+        assert m.plugin is not None
+        try:
+            found = find_plugin(m.plugin)
+        except PluginError as exc:
+            raise ConfigError(f"{path}.plugin: {exc}") from None
+        try:
+            options = found.check_options(dict(m.options))
+        except ConfigError as exc:  # the plugin names the option; we name where it sits
+            raise ConfigError(f"{path}.options.{exc}") from None
+        except Exception as exc:  # a plugin's own bug still gets a message naming the field
+            raise ConfigError(
+                f"{path}.options: plugin {m.plugin!r} refused them ({exc!r})"
+            ) from None
+        resolved[name] = replace(m, options=options)
+    return replace(cfg, modalities=resolved)

@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
     print((data / "results.md").read_text())
     if args.no_serve:
         return 0 if results else 1
-    from app.serve_cli import serve
-    from app.settings import Settings
+    from app.core.settings import Settings
+    from app.server.serve import serve
 
     print(f"search page: http://{args.host}:{args.port}/")
     serve(Settings(root=root, media_dir=data, host=args.host, port=args.port))

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from app.demo.data import relevant
+from models.encoders import decode
 from models.heads import default_views, split_modalities, view_name
-from models.inputs import decode
 from models.model import MultimodalModel
 
 MODALITIES = ("image", "audio", "text")

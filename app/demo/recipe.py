@@ -52,9 +52,8 @@ class Recipe:
     speed_jitter: float = 0.15
     lr: float = 0.002
     latent_dim: int = 64
-    # One torch thread per training process, the two heads in two processes: on 2 cores this
-    # beats one process with 2 threads (small convolutions split poorly), and a fixed thread
-    # count keeps runs bit-identical.
+    # One torch thread per training process, the two heads in two processes (small convolutions
+    # split poorly over threads), and a fixed thread count keeps a machine's runs identical.
     threads: int = 1
 
     def stage(self, dataset: str) -> Stage:

@@ -1,9 +1,9 @@
 """Both heads trained side by side: one process per head, one progress bar for all of them.
 
 Each head's models form a chain (its interaction model starts from its shared model's encoders)
-and the two chains are independent, so on two cores they run at once. The processes are spawned,
-not forked: the parent has loaded torch, and a fork would inherit its thread pools' state.
-A worker trains and evaluates every stage of its head and sends back the held-out results; on
+and the two chains are independent, so they run at once on two cores or more. The processes
+are spawned, not forked: the parent has loaded torch, and a fork would inherit its thread
+pools' state. A worker trains and evaluates every stage of its head and sends back the held-out results; on
 the way it reports the steps it has done, which the parent turns into one bar. Each worker has
 its own pipe (a multiprocessing Queue would leave a semaphore behind at exit).
 """

@@ -23,7 +23,7 @@ from app.demo.tuples import FreshTuples, media_pools
 from models.checkpoint import load_model, save_model
 from models.config import ModelConfig, TrainConfig
 from models.model import MultimodalModel
-from models.training import Trainer, TrainResult
+from models.train.trainer import Trainer, TrainResult
 
 REPORT_EVERY = 10  # steps between progress reports to the parent process
 

@@ -20,8 +20,8 @@ import torch
 
 from app.demo.data import Media, digits_for
 from models.config import ModelConfig
-from models.data import input_key
-from models.inputs import decode
+from models.encoders import decode
+from models.train.data import input_key
 
 MODALITIES = ("image", "audio", "text")
 
@@ -66,7 +66,7 @@ def change_speed(wave: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class FreshTuples:
-    """A TupleSource (models.data) of `n` tuples, all drawn once from `seed`: row i is a digit
+    """A TupleSource (models.train.data) of `n` tuples, all drawn once from `seed`: row i is a digit
     triple of `dataset` and a random medium of each digit. With `speed_jitter` s, row i's clip
     plays at a speed drawn from [1/(1+s), 1+s] (keys stay the clip's: same clip, same key)."""
 

@@ -17,8 +17,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 
+from app.core.settings import Settings
 from app.main import create_app
-from app.settings import Settings
 from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
 
 
@@ -74,7 +74,6 @@ def settings_for(root: Path, **kw) -> Settings:
         "root": root,
         "poll_interval_s": 0.1,
         "cache_prefix": f"hclip-test:{uuid.uuid4().hex}",
-        "calibrate_kernels": False,  # half a second per server; test_search.py turns it on
     }
     return Settings(**(base | kw))
 

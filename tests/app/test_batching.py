@@ -8,10 +8,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+import torch
 
-from app.batching import MicroBatcher, SearchItem, search_batcher
-from indexer.reader import View
-from indexer.specs import IndexSpec
+from app.services.batching import MicroBatcher, SearchItem, search_batcher
+from indexer.search.specs import IndexSpec
+from indexer.search.view import View
+from models.heads import HClipHead
+from models.limits import InputError
 
 
 def test_concurrent_submissions_are_gathered() -> None:
@@ -52,8 +55,20 @@ def test_a_failing_call_fails_only_the_item_that_broke_it() -> None:
     assert calls == [[3, 4], [3], [4], [5]]  # the batch failed, then each item alone
 
 
-@pytest.mark.parametrize("kernel", ["faiss", "torch", "numpy"])
-def test_search_batches_equal_one_by_one_searches(kernel: str) -> None:
+def unit_head(dim: int) -> HClipHead:
+    """An H-CLIP head whose omega is all ones: a view's query factor is the query's embedding."""
+    head = HClipHead(["a", "b"], dim)
+    with torch.no_grad():
+        head.weight.fill_(1.0)
+        head.logit_scale.fill_(0.0)
+    return head
+
+
+def item(x: np.ndarray, k: int) -> SearchItem:
+    return SearchItem({"a": x}, k)
+
+
+def test_search_batches_equal_one_by_one_searches() -> None:
     rng = np.random.default_rng(0)
     xb = rng.standard_normal((500, 6)).astype(np.float32)
     view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(500) * 2, 6, vectors=xb)
@@ -61,10 +76,8 @@ def test_search_batches_equal_one_by_one_searches(kernel: str) -> None:
     xq = rng.standard_normal((12, 6)).astype(np.float32)
 
     async def main() -> list:
-        b = search_batcher(
-            view, ThreadPoolExecutor(1), 64, 0.002, sizes.append, kernel_for=lambda n: kernel
-        )
-        return await asyncio.gather(*(b.submit(SearchItem(xq[i], 3 + i % 4)) for i in range(12)))
+        b = search_batcher(view, unit_head(6), ThreadPoolExecutor(1), 64, 0.002, sizes.append)
+        return await asyncio.gather(*(b.submit(item(xq[i], 3 + i % 4)) for i in range(12)))
 
     got = asyncio.run(main())
     assert sum(sizes) == 12 and len(sizes) < 12
@@ -76,80 +89,30 @@ def test_search_batches_equal_one_by_one_searches(kernel: str) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 500, 600])
-@pytest.mark.parametrize("kernel", ["faiss", "torch", "numpy"])
-def test_k_beyond_the_view_returns_what_there_is(k: int, kernel: str) -> None:
+@pytest.mark.parametrize("queries", [1, 3])  # a lone query is scanned, a batch multiplied
+def test_k_beyond_the_view_returns_what_there_is(k: int, queries: int) -> None:
     xb = np.eye(2, dtype=np.float32)
     view = View("a", ("a",), ("b",), IndexSpec("flat"), np.array([7, 9]), 2, vectors=xb)
-    _, rows = view.search(np.array([[1.0, 0.5]], dtype=np.float32), k, kernel)
-    assert rows.tolist() == [[7, 9][: min(k, 2)]]
+    _, rows = view.search(np.tile(np.array([[1.0, 0.5]], dtype=np.float32), (queries, 1)), k)
+    assert rows.tolist() == [[7, 9][: min(k, 2)]] * queries
 
 
-def test_a_lone_search_scans_on_two_threads_and_a_busy_server_follows_the_router(
-    tmp_path,
-) -> None:
-    import os
+def test_a_query_whose_factor_overflows_fails_alone() -> None:
+    xb = np.eye(2, dtype=np.float32)
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.array([7, 9]), 2, vectors=xb)
+    head = unit_head(2)
+    with torch.no_grad():
+        head.weight.fill_(1e30)  # omega * a query of 1e10 overflows float32
 
-    from app.metrics import Metrics
-    from app.serving import VersionManager
-    from app.settings import Settings
-    from app.workers import WorkerPools
-    from indexer import flat
+    async def main() -> list:
+        b = search_batcher(view, head, ThreadPoolExecutor(1), 64, 0.002, lambda n: None)
+        small, huge = np.array([1e-30, 0.0], np.float32), np.array([1e10, 1.0], np.float32)
+        items = [item(small, 1), SearchItem({"a": huge}, 1, field="embeddings")]
+        return await asyncio.gather(*(b.submit(it) for it in items), return_exceptions=True)
 
-    router = flat.Router(table={1: "faiss", 2: "faiss_blocked"})
-
-    def view(rows: int) -> View:
-        xb = np.zeros((rows, 4), np.float32)
-        return View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(rows), 4, vectors=xb)
-
-    pools = WorkerPools(1, 1)
-    try:
-        manager = VersionManager(Settings(root=tmp_path), Metrics(), pools)
-        alone = manager._splits(router, view(flat.HALVES_MIN_ROWS))
-        kernel_for = manager._kernels(router, alone)
-        manager.searches_in_flight = 1  # this search alone
-        two_cores = len(os.sched_getaffinity(0)) >= 2
-        assert alone() == two_cores
-        assert kernel_for(1) == ("faiss_halves" if two_cores else "faiss")
-        assert kernel_for(2) == "faiss_blocked"
-        manager.searches_in_flight = 2  # another search under way: one thread each
-        assert not alone() and kernel_for(1) == "faiss"
-        manager.searches_in_flight = 1
-        assert not manager._splits(router, view(100))()  # too small to split
-        assert not manager._splits(None, view(flat.HALVES_MIN_ROWS))()  # approximate
-        off = VersionManager(Settings(root=tmp_path, split_lone_search=False), Metrics(), pools)
-        assert not off._splits(router, view(flat.HALVES_MIN_ROWS))()
-    finally:
-        pools.shutdown()
-
-
-def test_a_lone_plain_search_runs_on_the_event_loop_and_others_on_the_executor() -> None:
-    import threading
-
-    rng = np.random.default_rng(1)
-    xb = rng.standard_normal((300, 4)).astype(np.float32)
-    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(300), 4, vectors=xb)
-    threads: list[str] = []
-    solo = [True]
-
-    def kernel_for(n: int) -> str:
-        threads.append(threading.current_thread().name)
-        return "faiss"
-
-    async def main() -> None:
-        b = search_batcher(
-            view, ThreadPoolExecutor(1, thread_name_prefix="pool"), 64, 0.0, lambda n: None,
-            kernel_for=kernel_for, alone=lambda: solo[0],
-        )  # fmt: skip
-        await b.submit(SearchItem(xb[0], 3))  # alone: on the loop
-        solo[0] = False
-        await b.submit(SearchItem(xb[1], 3))  # not alone: on the executor
-        solo[0] = True
-        await asyncio.gather(*(b.submit(SearchItem(xb[i], 3)) for i in range(4)))  # a batch
-
-    asyncio.run(main())
-    main_thread = threading.main_thread().name
-    assert threads[0] == main_thread
-    assert threads[1].startswith("pool") and threads[2].startswith("pool")
+    ok, bad = asyncio.run(main())
+    assert isinstance(bad, InputError) and str(bad).startswith("embeddings: the query's vector")
+    assert ok[1].tolist() == [7]
 
 
 def test_on_loop_runs_every_batch_on_the_event_loop_with_the_same_results() -> None:
@@ -159,63 +122,56 @@ def test_on_loop_runs_every_batch_on_the_event_loop_with_the_same_results() -> N
     xb = rng.standard_normal((400, 8)).astype(np.float32)
     view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(400) * 3, 8, vectors=xb)
     xq = rng.standard_normal((10, 8)).astype(np.float32)
-    threads: list[str] = []
-    sizes: list[int] = []
 
-    def kernel_for(n: int) -> str:
-        threads.append(threading.current_thread().name)
-        return "faiss_blocked" if n > 1 else "faiss"
+    def run(on_loop: bool) -> tuple[list, list[str], list[int]]:
+        threads: list[str] = []
+        sizes: list[int] = []
 
-    async def main() -> list:
-        b = search_batcher(
-            view, ThreadPoolExecutor(1, thread_name_prefix="pool"), 64, 0.0, sizes.append,
-            kernel_for=kernel_for, on_loop=lambda: True,
-        )  # fmt: skip
-        lone = await b.submit(SearchItem(xq[0], 4))
-        many = await asyncio.gather(*(b.submit(SearchItem(xq[i], 4)) for i in range(1, 10)))
-        return [lone, *many]
+        async def main() -> list:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
+            b = search_batcher(view, unit_head(8), pool, 64, 0.0, sizes.append, on_loop=on_loop)
+            batch = b.run_batch
 
-    got = asyncio.run(main())
+            def recorded(items: list) -> list:
+                threads.append(threading.current_thread().name)
+                return batch(items)
+
+            b.run_batch = recorded
+            lone = await b.submit(item(xq[0], 4))
+            many = await asyncio.gather(*(b.submit(item(xq[i], 4)) for i in range(1, 10)))
+            return [lone, *many]
+
+        return asyncio.run(main()), threads, sizes
+
+    got, threads, sizes = run(on_loop=True)
     assert set(threads) == {threading.main_thread().name}
     assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) < 10  # still batched
     for i, (scores, rows) in enumerate(got):
         order = np.argsort(-(xb @ xq[i]))[:4]
         assert rows.tolist() == (order * 3).tolist()
         assert np.allclose(scores, (xb @ xq[i])[order], atol=1e-5)
+    off, threads, _ = run(on_loop=False)
+    assert threads and all(t.startswith("pool") for t in threads)
+    assert [r.tolist() for _, r in off] == [r.tolist() for _, r in got]
 
 
 @pytest.mark.parametrize(
     ("mode", "one_per_core", "expected"),
     [("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)],
 )
-def test_searches_go_on_the_loop_when_each_worker_has_a_core_once_measured(
+def test_searches_go_on_the_loop_when_each_worker_has_a_core(
     tmp_path, mode: str, one_per_core: bool, expected: bool
 ) -> None:
     import os
-    import threading
 
-    from app.metrics import Metrics
-    from app.serving import VersionManager
-    from app.settings import Settings
-    from app.workers import WorkerPools
+    from app.core.settings import Settings
 
     cores = len(os.sched_getaffinity(0))
     if not one_per_core and cores == 1:
         pytest.skip("one core: a single worker has it to itself")
     workers = cores if one_per_core else 1
-    pools = WorkerPools(1, 1)
-    try:
-        settings = Settings(root=tmp_path, workers=workers, search_on_loop=mode)
-        manager = VersionManager(settings, Metrics(), pools)
-        gate = threading.Event()
-        manager._calibrations.append(pools.faiss.submit(gate.wait, 30))  # a measurement running
-        on_loop = manager._on_loop()
-        assert on_loop() is False  # nothing runs beside a measurement
-        gate.set()
-        pools.faiss.submit(lambda: None).result(5)
-        assert on_loop() is expected
-    finally:
-        pools.shutdown()
+    settings = Settings(root=tmp_path, workers=workers, search_on_loop=mode)
+    assert settings.searches_on_loop() is expected
 
 
 def test_the_server_holds_numpys_blas_to_the_search_thread_count(tmp_path) -> None:

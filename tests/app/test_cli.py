@@ -67,7 +67,7 @@ LOADED = """
 import sys
 from app.cli import main
 code = main(sys.argv[1:])
-print("loaded:", " ".join(m for m in ("app.serve_cli", "app.demo.cli", "indexer.cli")
+print("loaded:", " ".join(m for m in ("app.server.serve", "app.demo.cli", "indexer.cli")
                           if m in sys.modules))
 print("code:", code)
 """
@@ -84,7 +84,7 @@ def test_an_index_command_loads_neither_the_service_nor_the_demo(tmp_path: Path)
     assert "loaded: indexer.cli\n" in done.stdout and "code: 0" in done.stdout
     verbose = loaded("-v", "index", "list", "--root", tmp_path)  # an option first: all parsers
     assert "code: 0" in verbose.stdout
-    assert "loaded: app.serve_cli app.demo.cli indexer.cli" in verbose.stdout
+    assert "loaded: app.server.serve app.demo.cli indexer.cli" in verbose.stdout
 
 
 def test_help_and_a_misspelt_command_still_name_every_command() -> None:

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from app.client import AsyncClient, Client, HclipError, HclipTimeout, SearchResult
-from indexer import artifact
+from indexer.store import artifact
 from tests.app.conftest import build_index, records_v, running, settings_for
 from tests.app.test_hostile import GOOD, media_model, slow_image
 from tests.models.test_inputs import wav_bytes

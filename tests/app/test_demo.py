@@ -28,7 +28,7 @@ from app.demo.recipe import Recipe, model_config
 from app.demo.report import markdown, summarise, summary_markdown
 from app.demo.train import model_dir, train_stage
 from app.demo.tuples import FreshTuples, media_pools
-from indexer import artifact
+from indexer.store import artifact
 from models.config import ModelConfig
 from tests.app.browser import SearchPage, microphone_wav, search_with_examples
 from tests.app.conftest import running, settings_for

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from indexer import artifact
-from indexer.reader import LoadedVersion
+from indexer.store import artifact
+from indexer.store.version import LoadedVersion
 from models.checkpoint import load_model
 from tests.app.conftest import build_index, running, settings_for
 from tests.app.test_search import reference

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from indexer import artifact
+from indexer.store import artifact
 from tests.app.conftest import build_index, records_v, running, settings_for, wait_until
 from tests.indexer.test_bad_records import good
 

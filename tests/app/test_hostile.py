@@ -290,7 +290,7 @@ def test_a_bug_is_a_clean_500_with_the_request_id(media_root: Path, caplog) -> N
         raise RuntimeError("a bug")
 
     with running(settings_for(media_root), app=app) as client:
-        with caplog.at_level(logging.ERROR, logger="app.middleware"):
+        with caplog.at_level(logging.ERROR, logger="app.api.middleware"):
             r = client.get("/boom", headers={"X-Request-ID": "req-42"})
         assert r.status_code == 500 and r.headers["connection"] == "close"
         assert r.json() == {
@@ -331,7 +331,7 @@ def test_a_rejected_version_is_loaded_once_its_model_appears(tmp_path: Path, vec
     settings = settings_for(root, reload_retry_s=0.1, reload_retry_max_s=0.4)
     with running(settings) as client:
         shutil.copytree(tmp_path / "elsewhere" / "versions" / v2, root / "versions" / v2)
-        from indexer import artifact
+        from indexer.store import artifact
 
         artifact.write_current(root, v2)
         wait_until(lambda: client.get("/v1/info").json()["rejected_versions"] != [])

@@ -12,12 +12,12 @@ from urllib.parse import quote
 
 import pytest
 
-from app.errors import VersionRejected
-from app.metrics import Metrics
-from app.serving import VersionManager, open_checked
-from app.workers import WorkerPools
-from indexer import artifact
-from indexer.reader import LoadedVersion
+from app.core.errors import VersionRejected
+from app.core.metrics import Metrics
+from app.services.threads import WorkerPools
+from app.services.versions import VersionManager, open_checked
+from indexer.store import artifact
+from indexer.store.version import LoadedVersion
 from tests.app.conftest import build_index, records_v, running, settings_for
 from tests.indexer.test_recordstore import DAMAGE, STORE_FILES, built, reference_records
 

@@ -11,8 +11,8 @@ import pytest
 import redis
 import torch
 
-from indexer import artifact
-from indexer.reader import LoadedVersion
+from indexer.store import artifact
+from indexer.store.version import LoadedVersion
 from models.checkpoint import load_model
 from tests.app.conftest import (
     build_index,
@@ -158,14 +158,12 @@ def test_stopping_redis_mid_test_produces_no_5xx(vector_index) -> None:
 
 @pytest.mark.parametrize("head", ["hclip", "symile", "sum_of_pairs"])
 def test_the_served_query_factor_is_the_heads_bit_for_bit(tmp_path: Path, head: str) -> None:
-    """H-CLIP's and Symile's factor is computed in numpy by the service (app.serving
-    ServingVersion.omega): the same float32 products as the head's torch code, in the same
-    order, so every score is the one the model defines."""
+    """The service computes a batch's query factors by calling the head (app.services.batching
+    query_factors), so every score is the one the model defines, whatever the batch."""
     import asyncio
     import itertools
 
-    from app.routes.search import Checked, _query_vector
-    from app.schemas import SearchRequest
+    from app.services.batching import SearchItem, query_factors
     from tests.conftest import DIMS, make_model_dir
 
     root = tmp_path / "root"
@@ -183,19 +181,19 @@ def test_the_served_query_factor_is_the_heads_bit_for_bit(tmp_path: Path, head: 
             while state.versions.current is None:
                 await asyncio.sleep(0.02)
             serving = state.versions.current
-            assert (serving.omega is not None) == (head in ("hclip", "symile"))
             rng = np.random.default_rng(4)
             for r in (1, 2):
                 for names in itertools.combinations(sorted(DIMS), r):
-                    given = {n: rng.standard_normal(8).astype(np.float32) for n in names}
-                    body = SearchRequest(embeddings={n: v.tolist() for n, v in given.items()})
-                    tensors = {n: torch.from_numpy(v) for n, v in given.items()}
-                    view = "+".join(names)
-                    checked = Checked(view, 5, None, None, tensors, {})
-                    got = await _query_vector(state, serving, body, checked, {})
-                    with torch.no_grad():
-                        batch = {n: t[None] for n, t in tensors.items()}
-                        want = model.head.query_factor(batch, names)
-                    assert np.array_equal(got, want[0].numpy()), (head, names)
+                    view = serving.index.views["+".join(names)]
+                    given = [
+                        {n: rng.standard_normal(8).astype(np.float32) for n in names}
+                        for _ in range(3)
+                    ]
+                    got = query_factors(serving.model.head, view, [SearchItem(g, 5) for g in given])
+                    for i, g in enumerate(given):
+                        with torch.no_grad():
+                            batch = {n: torch.from_numpy(v)[None] for n, v in g.items()}
+                            want = model.head.query_factor(batch, names)
+                        assert np.array_equal(got[i], want[0].numpy()), (head, names)
 
     asyncio.run(factors())

@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from indexer import artifact
-from indexer.reader import LoadedVersion
+from indexer.store import artifact
+from indexer.store.version import LoadedVersion
 from models.checkpoint import load_model
 from tests.app.conftest import build_index, free_port, records_v, wait_until
 from tests.app.test_search import reference
@@ -39,7 +39,6 @@ def two_workers(tmp_path: Path, vector_index):
     env = {
         **os.environ,
         "HCLIP_POLL_INTERVAL_S": "0.1",
-        "HCLIP_CALIBRATE_KERNELS": "false",
         "PYTHONPATH": str(REPO),
     }
     env.pop("HCLIP_REDIS_URL", None)
@@ -70,8 +69,8 @@ def two_workers(tmp_path: Path, vector_index):
             proc.kill()
             _, err = proc.communicate()
         assert proc.returncode == 0, err[-2000:]
-        # each worker logs its own lines (a fresh interpreter: app.supervisor.serve_one sets it up)
-        started = len(re.findall(r"app\.supervisor: worker \d+ started", err))
+        # each worker logs its own lines (a fresh interpreter: supervisor.serve_one sets it up)
+        started = len(re.findall(r"app\.server\.supervisor: worker \d+ started", err))
         assert started >= 2 and err.count("INFO app.main: index root") == started, err[-2000:]
         metrics_dirs = re.findall(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", err)
         assert all(not Path(d).exists() for d in metrics_dirs)
@@ -179,7 +178,7 @@ def test_workers_stop_when_their_supervisor_is_killed(tmp_path: Path, vector_ind
     root = tmp_path / "root"
     build_index(root, model_dir, records_v("v1"), tmp_path)
     port = free_port()
-    env = {**os.environ, "HCLIP_CALIBRATE_KERNELS": "false", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("HCLIP_REDIS_URL", None)
     cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", "2"]
     cmd += ["--root", str(root), "--port", str(port)]

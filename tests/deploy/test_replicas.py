@@ -70,7 +70,7 @@ def test_requests_spread_over_replicas_and_survive_a_kill(tmp_path: Path) -> Non
                 "HCLIP_PORT": str(port),
                 "HCLIP_INSTANCE": name,
                 "HCLIP_REDIS_URL": f"redis://127.0.0.1:{redis_port}/0",
-                "HCLIP_CALIBRATE_KERNELS": "false",
+                "HCLIP_WORKERS": "1",  # one process a replica: a SIGKILL ends it at once
             }
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "app.cli", "serve"],

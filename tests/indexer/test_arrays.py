@@ -5,7 +5,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer.arrays import NpyAppender, NpyRows
+from indexer.store.arrays import NpyAppender, NpyRows
 
 
 def test_streamed_npy_is_memory_mappable(tmp_path: Path) -> None:

@@ -11,9 +11,9 @@ import blake3
 import numpy as np
 import pytest
 
-from indexer import artifact, recordstore
-from indexer.reader import LoadedVersion
-from indexer.verify import verify
+from indexer.store import artifact, recordstore
+from indexer.store.verify import verify
+from indexer.store.version import LoadedVersion
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from indexer import artifact
+from indexer.store import artifact
 from tests.conftest import index_build, make_model_dir, run_cli, write_jsonl
 
 MODS = {

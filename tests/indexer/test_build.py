@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from indexer import artifact
-from indexer.reader import LoadedVersion
-from indexer.verify import verify
+from indexer.store import artifact
+from indexer.store.verify import verify
+from indexer.store.version import LoadedVersion
 from models.checkpoint import load_model
 from models.heads import default_views
 from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl

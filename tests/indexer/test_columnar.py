@@ -14,13 +14,14 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from indexer import artifact
-from indexer.columnar import ChunkChecker
-from indexer.encode import Rejected, RowWriter, Validator
-from indexer.ordering import Admission
-from indexer.reader import LoadedVersion
-from indexer.sources import RecordFiles
-from indexer.verify import verify
+from indexer.build.writer import RowWriter
+from indexer.ingest.admission import Admission
+from indexer.ingest.checks import ChunkChecker
+from indexer.ingest.sources import RecordFiles
+from indexer.ingest.validate import Rejected, Validator
+from indexer.store import artifact
+from indexer.store.verify import verify
+from indexer.store.version import LoadedVersion
 from models.checkpoint import load_model, save_model
 from models.config import ModelConfig
 from models.model import MultimodalModel

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer import artifact
-from indexer import verify as verify_module
-from indexer.verify import verify, verify_contents
+from indexer.store import artifact
+from indexer.store import verify as verify_module
+from indexer.store.verify import verify, verify_contents
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]

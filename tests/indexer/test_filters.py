@@ -10,7 +10,7 @@ import numpy as np
 import orjson
 import pytest
 
-from indexer.filters import FieldColumns, FieldsWriter, FieldValueError, FilterError
+from indexer.store.fields import FieldColumns, FieldsWriter, FieldValueError, FilterError
 
 PAYLOADS = [
     {"cat": "a", "year": 2001, "flag": True},

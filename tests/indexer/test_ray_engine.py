@@ -24,11 +24,11 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from indexer import artifact
-from indexer.build import JobOptions, build
-from indexer.ray_address import ClusterError, check_reachable, host_port
-from indexer.reader import LoadedVersion
-from indexer.verify import verify
+from indexer.build.jobs import JobOptions, build
+from indexer.build.ray_address import ClusterError, check_reachable, host_port
+from indexer.store import artifact
+from indexer.store.verify import verify
+from indexer.store.version import LoadedVersion
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 from tests.indexer.test_bad_records import CASES, RAW_CASES, good
 from tests.indexer.test_columnar import mm_model_dir
@@ -377,7 +377,7 @@ def test_a_ray_client_connection_is_tried_again_when_the_server_fails_to_start(
 ) -> None:
     # A stand-in for ray.init: the head's failure to start a client server (ray-project/ray
     # #63202) happens at random on a real cluster and cannot be provoked.
-    from indexer import ray_engine
+    from indexer.build import ray_engine
 
     tried: list[str] = []
 

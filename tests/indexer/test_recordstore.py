@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from indexer import artifact, recordstore
-from indexer.reader import LoadedVersion
-from indexer.recordstore import RecordStore, RecordStoreWriter, id_order
-from indexer.verify import verify
+from indexer.store import artifact, recordstore
+from indexer.store.recordstore import RecordStore, RecordStoreWriter, id_order
+from indexer.store.verify import verify
+from indexer.store.version import LoadedVersion
 from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
 
 

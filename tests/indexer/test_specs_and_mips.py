@@ -3,8 +3,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from indexer.mips import augment, inner_products, pad_queries
-from indexer.specs import IndexSpec, SpecError
+from indexer.search.mips import augment, inner_products, pad_queries
+from indexer.search.specs import IndexSpec, SpecError
 
 
 def test_parse_specs() -> None:

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from indexer import artifact, tune
-from indexer.reader import LoadedVersion
-from indexer.specs import IndexSpec, SpecError
-from indexer.verify import verify
+from indexer.search.specs import IndexSpec, SpecError
+from indexer.store import artifact
+from indexer.store.verify import verify
+from indexer.store.version import LoadedVersion
+from indexer.tune import tuner as tune
 from models.checkpoint import load_model
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 
@@ -76,7 +77,7 @@ def test_tuner_meets_its_target_on_queries_it_did_not_tune_on() -> None:
     assert any(p["pareto"] for p in report["frontier"])
     # Independently of the tuner's own measurement: fresh queries, numpy's exact ranking, the
     # picked index searched as the server searches it.
-    from indexer import ann
+    from indexer.search import ann
 
     _, got = ann.search(
         result.index,

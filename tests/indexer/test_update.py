@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from indexer import artifact
-from indexer.reader import LoadedVersion
-from indexer.verify import verify
+from indexer.store import artifact
+from indexer.store.verify import verify
+from indexer.store.version import LoadedVersion
 from models.model import MultimodalModel
 from tests.conftest import DIMS, index_build, make_model_dir, run_cli, vector_records, write_jsonl
 

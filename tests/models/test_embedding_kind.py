@@ -11,8 +11,9 @@ import torch
 
 from models.checkpoint import load_model
 from models.config import ConfigError, ModalityConfig, ModelConfig
+from models.encoders import decode
 from models.heads import default_views, split_modalities
-from models.inputs import InputError, decode
+from models.limits import InputError
 from models.model import MultimodalModel
 from tests.conftest import run_cli, write_jsonl
 

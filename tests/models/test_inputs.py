@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 
 from models.config import ModalityConfig
-from models.inputs import InputError, InputLimits, InputTooLarge, decode
+from models.encoders import decode
+from models.limits import InputError, InputLimits, InputTooLarge
 
 VEC = ModalityConfig(kind="vector", dim=3)
 IMG = ModalityConfig(kind="image", image_size=8)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from models.heads import build_head
-from models.losses import FullConditionalLoss, PairwiseClipLoss
+from models.train.losses import FullConditionalLoss, PairwiseClipLoss
 
 NAMES = ["a", "b", "c"]
 

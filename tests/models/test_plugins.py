@@ -23,7 +23,9 @@ from safetensors.torch import save_file
 
 from models.checkpoint import CheckpointError, fingerprint, load_model
 from models.config import ConfigError, ModelConfig, RunConfig
-from models.inputs import InputError, decode
+from models.encoders import decode
+from models.limits import InputError
+from models.plugins import resolve_options
 from tests.conftest import run_cli, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,14 +157,15 @@ def test_config_errors_name_the_plugin_field(installed: Path, tmp_path: Path) ->
     tower_weights(tmp_path / "tower.safetensors", seed=0)
     model = RunConfig.load(config(tmp_path)).model
     assert ModelConfig.from_dict(json.loads(json.dumps(model.to_dict()))) == model
+    # The plugin is looked up, and checks its options, where the model is built.
     with pytest.raises(ConfigError, match=r"^modalities.img.options.features: expected a pos"):
-        RunConfig.load(config(tmp_path, options={"features": 0}))
+        resolve_options(RunConfig.load(config(tmp_path, options={"features": 0})).model)
     with pytest.raises(ConfigError, match=r"^modalities.img.options.colour: unknown option"):
-        RunConfig.load(config(tmp_path, options={"colour": 1}))
+        resolve_options(RunConfig.load(config(tmp_path, options={"colour": 1})).model)
     with pytest.raises(ConfigError, match=r"^modalities.img.weights: .* not found: .*/nope.st"):
         RunConfig.load(config(tmp_path, weights="nope.st"))
     with pytest.raises(ConfigError, match=r"^modalities.img.plugin: no encoder plugin 'tiny'"):
-        RunConfig.load(config(tmp_path, plugin="tiny"))
+        resolve_options(RunConfig.load(config(tmp_path, plugin="tiny")).model)
 
 
 def test_weights_that_do_not_fit_the_tower_are_refused(installed: Path, tmp_path: Path) -> None:
@@ -190,7 +193,7 @@ def test_a_missing_plugin_is_named(tmp_path: Path, capsys: pytest.CaptureFixture
 def test_a_query_cannot_make_a_plugin_read_a_file(installed: Path, tmp_path: Path) -> None:
     """The service decodes queries with no base directory: paths are refused, data: URIs not."""
     tower_weights(tmp_path / "tower.safetensors", seed=0)
-    img = RunConfig.load(config(tmp_path)).model.modalities["img"]
+    img = resolve_options(RunConfig.load(config(tmp_path)).model).modalities["img"]
     (tmp_path / "x.png").write_bytes(png(1, np.random.default_rng(0)))
     with pytest.raises(InputError, match="must be a base64 data: URI"):
         decode(str(tmp_path / "x.png"), img, base_dir=None)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from models.heads import build_head
-from models.losses import FullConditionalLoss
-from models.queue import NegativesQueue
+from models.train.losses import FullConditionalLoss
+from models.train.queue import NegativesQueue
 from tests.models.test_losses import NAMES, naive_ce, phi, unit
 
 

@@ -11,11 +11,11 @@ import torch
 
 from models.checkpoint import CheckpointError
 from models.config import ConfigError, RunConfig
-from models.data import load_training_records
-from models.lazy_records import RecordsFile
 from models.records import RecordError
-from models.train_checkpoint import CheckpointStore
-from models.training import Trainer, train_model
+from models.train.checkpoints import CheckpointStore
+from models.train.data import load_training_records
+from models.train.records_file import RecordsFile
+from models.train.trainer import Trainer, train_model
 from tests.conftest import run_cli
 from tests.models.media import media_records
 

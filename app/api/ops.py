@@ -1,0 +1,122 @@
+"""Health, readiness, info, metrics and the admin reload."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, Header
+from starlette.responses import Response
+
+from app.api.deps import Serving, State, serving_of
+from app.api.docs import errors
+from app.api.http import ApiRoute, JSONResponse
+from app.api.schemas import Health, InfoResponse, Ready, ReloadResponse
+from app.core.errors import Unauthorized
+from app.services.state import AppState
+
+router = APIRouter(route_class=ApiRoute)
+
+
+@router.get("/healthz", response_model=Health, summary="Liveness: the process answers")
+async def healthz() -> JSONResponse:
+    return JSONResponse({"status": "ok"})
+
+
+@router.get(
+    "/readyz",
+    response_model=Ready,
+    responses=errors(503),
+    summary="Readiness: a version is loaded",
+)
+async def readyz(state: State) -> JSONResponse:
+    return JSONResponse({"status": "ready", "index_version": serving_of(state).version})
+
+
+def _rejected(state: AppState) -> list[dict[str, object]]:
+    now = time.monotonic()
+    return [
+        {
+            "version": version,
+            "reason": r.reason,
+            "attempts": r.attempts,
+            "next_retry_in_s": round(max(0.0, r.retry_at - now), 3),
+        }
+        for version, r in state.versions.rejected.items()
+    ]
+
+
+@router.get(
+    "/v1/info",
+    response_model=InfoResponse,
+    responses=errors(503),
+    summary="The model, the loaded index version, its views and counts",
+)
+async def info(state: State, serving: Serving) -> JSONResponse:
+    m = serving.index.manifest
+    model = serving.model
+    return JSONResponse(
+        {
+            "model": {
+                "fingerprint": serving.fingerprint,
+                "head": model.cfg.head,
+                "modalities": {n: model.cfg.modalities[n].kind for n in model.names},
+                "d": model.cfg.latent_dim,
+                **model.head.public_params(),
+            },
+            "index_version": serving.version,
+            "parent_version": m.get("parent"),
+            "created": m.get("created"),
+            "views": {
+                name: {k: v[k] for k in ("query", "target", "count", "spec", "recall_at_10")}
+                for name, v in m["views"].items()
+            },
+            "counts": m["counts"],
+            "cache": state.cache.backend,
+            "rejected_versions": _rejected(state),
+        }
+    )
+
+
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    summary="Prometheus metrics, text format",
+)
+async def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _token_matches(authorization: str | None, token: str | None) -> bool:
+    if not token or not authorization:
+        return False
+    scheme, _, presented = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    # Bytes, not str: compare_digest refuses non-ASCII str, and a header may hold any byte.
+    return hmac.compare_digest(
+        presented.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8")
+    )
+
+
+@router.post(
+    "/v1/admin/reload",
+    response_model=ReloadResponse,
+    responses=errors(401, 409),
+    summary="Load the version CURRENT names now (a rejected one is retried at once)",
+)
+async def reload(
+    state: State, authorization: Annotated[str | None, Header()] = None
+) -> JSONResponse:
+    if not _token_matches(authorization, state.settings.admin_token):
+        raise Unauthorized("admin endpoints need 'Authorization: Bearer <HCLIP_ADMIN_TOKEN>'")
+    changed = await state.versions.refresh(force=True)
+    current = state.versions.current
+    return JSONResponse(
+        {
+            "changed": changed,
+            "index_version": current.version if current else None,
+        }
+    )

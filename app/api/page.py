@@ -1,0 +1,45 @@
+"""The search page at `/`, its static files, and (in demo mode) the demo's media and examples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+from fastapi import APIRouter, FastAPI
+from starlette.responses import FileResponse
+from starlette.staticfiles import StaticFiles
+
+from app.api.deps import State
+from app.api.docs import errors
+from app.api.http import ApiRoute, JSONResponse
+from app.core.errors import NotFound
+
+STATIC = Path(__file__).resolve().parent.parent / "static"
+EXAMPLES = "examples.json"
+
+router = APIRouter(route_class=ApiRoute)
+
+
+@router.get("/", include_in_schema=False)
+async def page() -> FileResponse:
+    return FileResponse(STATIC / "index.html")
+
+
+@router.get(
+    "/v1/demo/examples",
+    responses=errors(404),
+    summary="The demo's held-out examples for the page's pickers (demo mode only)",
+)
+async def examples(state: State) -> JSONResponse:
+    media = state.settings.media_dir
+    if media is None or not (media / EXAMPLES).is_file():
+        raise NotFound("this service has no demo examples")
+    return JSONResponse(orjson.loads((media / EXAMPLES).read_bytes()))
+
+
+def install(app: FastAPI, media_dir: Path | None) -> None:
+    app.include_router(router)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    if media_dir is not None:
+        # Only the demo's own generated media: clients never name server paths in queries.
+        app.mount("/media", StaticFiles(directory=media_dir), name="media")

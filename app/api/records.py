@@ -1,0 +1,50 @@
+"""GET /v1/records/{id} and its precomputed embeddings."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.api.deps import Serving
+from app.api.docs import errors
+from app.api.http import ApiRoute, JSONResponse
+from app.api.schemas import RecordEmbeddingsResponse, RecordResponse
+from app.core.errors import NotFound
+from app.services.versions import ServingVersion
+
+router = APIRouter(route_class=ApiRoute)
+
+
+def _row(serving: ServingVersion, record_id: str) -> int:
+    row = serving.index.records.row_of(record_id)
+    if row is None:
+        raise NotFound(f"no record with id {record_id!r} in version {serving.version}")
+    return row
+
+
+@router.get(
+    "/v1/records/{record_id}",
+    response_model=RecordResponse,
+    responses=errors(404, 503),
+    summary="A record's payload and modalities",
+)
+async def record(record_id: str, serving: Serving) -> JSONResponse:
+    rec = serving.index.records[_row(serving, record_id)]
+    return JSONResponse({**rec, "index_version": serving.version})
+
+
+@router.get(
+    "/v1/records/{record_id}/embeddings",
+    response_model=RecordEmbeddingsResponse,
+    responses=errors(404, 503),
+    summary="A record's stored per-modality embeddings (to recompute any score)",
+)
+async def record_embeddings(record_id: str, serving: Serving) -> JSONResponse:
+    row = _row(serving, record_id)
+    return JSONResponse(
+        {
+            "id": record_id,
+            "index_version": serving.version,
+            "model_fingerprint": serving.fingerprint,
+            "embeddings": serving.index.embeddings_of(row),
+        }
+    )

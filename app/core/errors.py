@@ -1,0 +1,72 @@
+"""The service's errors, one class per status and error type; app.api.handlers maps them to
+the error envelope {"error", "error_type", "request_id"}.
+
+One status per class of mistake:
+- 422 `invalid_input`: a value fails validation (the body's shape or types, an unknown
+  modality, a vector of the wrong length, undecodable media, k out of range), and
+  `validation_error` for a body that is not JSON or does not fit the schema;
+- 400 `unanswerable_query`: a valid query this index cannot answer (it names every modality,
+  or no view exists for its modalities);
+- 413 `too_large`: a body, a medium, an image's pixels, an audio clip or a text over its limit;
+- 401 `unauthorized`, 404 `not_found`, 405 `method_not_allowed`;
+- 409 `version_rejected`: an admin reload found a version that cannot be served;
+- 503 `not_ready`, `overloaded` (a queue is full) and `deadline_exceeded` (the request ran
+  past HCLIP_REQUEST_TIMEOUT_S), with Retry-After;
+- 500 `internal_error`: a bug; the request id is in the response and in the log line.
+"""
+
+from __future__ import annotations
+
+
+class ApiError(Exception):
+    status = 400
+    error_type = "bad_request"
+    retry_after_s: float | None = None
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidInput(ApiError):
+    status, error_type = 422, "invalid_input"
+
+
+class Unanswerable(ApiError):
+    status, error_type = 400, "unanswerable_query"
+
+
+class TooLarge(ApiError):
+    status, error_type = 413, "too_large"
+
+
+class NotFound(ApiError):
+    status, error_type = 404, "not_found"
+
+
+class Unauthorized(ApiError):
+    status, error_type = 401, "unauthorized"
+
+
+class NotReady(ApiError):
+    status, error_type = 503, "not_ready"
+    retry_after_s = 1.0
+
+
+class Overloaded(ApiError):
+    status, error_type = 503, "overloaded"
+    retry_after_s = 1.0
+
+
+class DeadlineExceeded(ApiError):
+    status, error_type = 503, "deadline_exceeded"
+    retry_after_s = 1.0
+
+
+class VersionRejected(ApiError):
+    status, error_type = 409, "version_rejected"
+
+
+def retry_after(seconds: float) -> str:
+    """The Retry-After header's value: whole seconds, at least one."""
+    return str(max(1, round(seconds)))

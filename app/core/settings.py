@@ -1,0 +1,155 @@
+"""Service settings: one pydantic-settings class read from HCLIP_* environment variables."""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from models.limits import InputLimits
+
+
+def machine_cores() -> int:
+    """The cores this process may run on (its affinity: a container's CPU set)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="HCLIP_", env_file=None, extra="ignore")
+
+    root: Path = Field(Path("data/index"), description="index root (docs/design.md §5)")
+    redis_url: str | None = Field(None, description="unset: an in-process LRU cache")
+    admin_token: str | None = Field(None, description="bearer token for /v1/admin/*; unset: off")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(
+        default_factory=machine_cores,
+        ge=1,
+        le=256,
+        description="`hclip serve` processes (default: one per core)",
+    )
+    instance: str = Field(
+        "",
+        description="names this process in the X-Hclip-Instance response header "
+        "(default: host name and process id)",
+    )
+
+    max_k: int = Field(100, ge=1, le=10_000)
+    default_k: int = Field(10, ge=1)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    max_embed_inputs: int = Field(64, ge=1)
+    max_batch_queries: int = Field(64, ge=1, description="searches in one /v1/search/batch")
+    max_effort: int = Field(
+        4096, ge=1, description="the largest ef_search or nprobe a request may ask for"
+    )
+    max_json_depth: int = Field(32, ge=2, description="nesting of [ and { in a request body")
+    # Limits on one raw input, checked before any decoding (models.inputs.InputLimits).
+    max_media_bytes: int = Field(6 * 1024 * 1024, ge=1024, description="one image or clip")
+    max_image_pixels: int = Field(4096 * 4096, ge=64, description="width x height, from the header")
+    max_audio_seconds: float = Field(60.0, gt=0, description="a clip's length, from its header")
+    min_sample_rate: int = Field(1000, ge=1)
+    max_sample_rate: int = Field(192_000, ge=1)
+    max_text_chars: int = Field(4096, ge=1)
+    max_abs_value: float = Field(
+        1e6, gt=0, description="a number in a vector input or an embedding; larger is refused"
+    )
+
+    # Backpressure: bounded queues, and a deadline after which a request gives up (503).
+    max_pending: int = Field(256, ge=1, description="queued requests per batcher, then 503")
+    request_timeout_s: float = Field(10.0, gt=0, description="per request, then 503")
+
+    cache_ttl_s: int = Field(300, ge=1)
+    cache_max_items: int = Field(10_000, ge=1, description="in-process cache size")
+    redis_timeout_s: float = Field(0.05, gt=0, description="per Redis call; slower counts as down")
+    redis_retry_s: float = Field(1.0, gt=0, description="after a Redis failure, skip it this long")
+    cache_prefix: str = "hclip:v1"
+
+    poll_interval_s: float = Field(2.0, gt=0, description="how often CURRENT is checked")
+    reload_retry_s: float = Field(1.0, gt=0, description="first retry of a rejected version")
+    reload_retry_max_s: float = Field(60.0, gt=0, description="backoff doubles up to this")
+    verify_on_load: Literal["quick", "full", "off"] = Field(
+        "quick",
+        description="quick: sizes and small files' checksums, O(1) in the record count; "
+        "full: every checksum and every view's vectors recomputed (as `hclip index verify`)",
+    )
+    media_dir: Path | None = Field(None, description="demo media served under /media")
+
+    batch_max: int = Field(64, ge=1, description="queries gathered into one FAISS call")
+    batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")
+    faiss_threads: int | None = Field(
+        None, ge=1, description="threads per search (default: the cores over the workers)"
+    )
+    torch_threads: int | None = Field(
+        None, ge=1, description="threads per encode (default: the cores over the workers)"
+    )
+    search_on_loop: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run searches on each worker's event loop instead of its search thread. "
+        "auto: on when the workers are at least as many as the cores, so that each worker "
+        "has about one core and a hop to a thread only costs",
+    )
+
+    @model_validator(mode="after")
+    def _threads_from_cores(self) -> Settings:
+        share = max(1, machine_cores() // self.workers)  # each worker's share of the cores
+        if self.faiss_threads is None:
+            self.faiss_threads = share
+        if self.torch_threads is None:
+            self.torch_threads = share
+        return self
+
+    def searches_on_loop(self) -> bool:
+        on = self.search_on_loop
+        return on == "on" or (on == "auto" and self.workers >= machine_cores())
+
+    @property
+    def search_threads(self) -> int:
+        return self.faiss_threads or 1
+
+    @property
+    def encode_threads(self) -> int:
+        return self.torch_threads or 1
+
+    def as_environment(self) -> dict[str, str]:
+        """HCLIP_* variables that give a fresh process these settings."""
+        out = {}
+        for name, value in self.model_dump(mode="json").items():
+            if value is not None:
+                out[f"HCLIP_{name.upper()}"] = (
+                    str(value).lower() if isinstance(value, bool) else (str(value))
+                )
+        return out
+
+    def input_limits(self) -> InputLimits:
+        return InputLimits(
+            max_media_bytes=self.max_media_bytes,
+            max_image_pixels=self.max_image_pixels,
+            max_audio_seconds=self.max_audio_seconds,
+            min_sample_rate=self.min_sample_rate,
+            max_sample_rate=self.max_sample_rate,
+            max_text_chars=self.max_text_chars,
+            max_abs_value=self.max_abs_value,
+        )
+
+    @field_validator("verify_on_load", mode="before")
+    @classmethod
+    def _legacy_bool(cls, value: Any) -> Any:
+        # Before "quick" existed, true meant the full check and false none.
+        legacy = {
+            "true": "full",
+            "1": "full",
+            "false": "off",
+            "0": "off",
+            True: "full",
+            False: "off",
+        }
+        return legacy.get(value.lower() if isinstance(value, str) else value, value)
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

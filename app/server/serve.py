@@ -1,0 +1,77 @@
+"""`hclip serve --root ROOT [--host H] [--port P] [--workers N]`: the service under uvicorn.
+
+With --workers N, N worker processes serve one port, each on a listening socket of its own
+(app/supervisor.py says why); each opens the published version itself (memory-mapped: the
+pages are shared through the page cache, not copied), with its own batchers and its own poller,
+so each swaps versions by itself. Settings reach the workers through the environment, as HCLIP_*
+variables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from app.core.metrics import MULTIPROC_ENV
+from app.core.settings import Settings
+from app.server import supervisor
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--root", type=Path, help="index root (default: $HCLIP_ROOT)")
+    p.add_argument("--host", help="default: $HCLIP_HOST or 127.0.0.1")
+    p.add_argument("--port", type=int, help="default: $HCLIP_PORT or 8000")
+    p.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes (default: $HCLIP_WORKERS or 1); about one per core",
+    )
+
+
+def serve(settings: Settings) -> None:
+    import uvicorn
+
+    if settings.workers == 1:
+        from app.main import create_app
+
+        uvicorn.run(
+            create_app(settings),
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            access_log=False,
+        )
+        return
+    # Workers are fresh interpreters that read their settings from the environment.
+    os.environ.update(settings.as_environment())
+    metrics_dir = Path(tempfile.mkdtemp(prefix="hclip-metrics-"))
+    os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before any worker imports prometheus_client
+    log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
+    try:
+        supervisor.run(settings.host, settings.port, settings.workers, worker_gone)
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def worker_gone(pid: int) -> None:
+    """A worker process ended: its live gauges leave /metrics (its counters stay summed)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid)
+
+
+def run(args: argparse.Namespace) -> int:
+    given = {"root": args.root, "host": args.host, "port": args.port, "workers": args.workers}
+    try:
+        serve(Settings(**{k: v for k, v in given.items() if v is not None}))
+    except supervisor.PortInUse as exc:
+        print(f"hclip serve: error: {exc}", file=sys.stderr)
+        return 2
+    return 0

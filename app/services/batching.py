@@ -1,0 +1,265 @@
+"""Concurrent requests gathered into one call: a view's searches (with their query factors) and
+a modality's encodes.
+
+While a call runs, the requests that arrive queue up and go together in the next call; a lone
+request is dispatched at once, unless HCLIP_BATCH_WAIT_MS asks for a short wait.
+
+Three guarantees hold whatever one item does:
+- an item's failure is its own: `run_batch` answers per item, and if the whole call raises, the
+  batch is split and retried item by item, so a bad item fails only its request;
+- the queue is bounded (`max_pending`): past it, submit raises Overloaded at once (a 503 with
+  Retry-After) instead of growing memory and latency without bound;
+- a request that gives up (its deadline passed, its client left) cancels its future, and a
+  cancelled item is dropped before it reaches a worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import torch
+
+from app.core.errors import Overloaded
+from indexer.search.view import View
+from models.encoders import decode
+from models.heads import Head
+from models.limits import InputError, InputLimits
+from models.model import MultimodalModel
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+R = TypeVar("R")
+GATHER_TURNS = 8  # at most this many turns of the event loop spent gathering a batch
+
+
+class MicroBatcher(Generic[T, R]):
+    """`run_batch(items)` runs on the executor and returns one result or exception per item.
+
+    With no executor it runs inline, on the event loop: only for work cheaper than a thread hop.
+    """
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[T]], Sequence[R | Exception]],
+        executor: Executor | None,
+        max_batch: int,
+        wait_s: float,
+        on_batch: Callable[[int], None] | None = None,
+        max_pending: int = 1024,
+        name: str = "batcher",
+        inline_if: Callable[[list[T]], bool] | None = None,
+    ):
+        self.run_batch = run_batch
+        self.executor = executor
+        self.inline_if = inline_if  # a batch it accepts runs on the event loop, not the executor
+        self.max_batch = max_batch
+        self.wait_s = wait_s
+        self.on_batch = on_batch
+        self.max_pending = max_pending
+        self.name = name
+        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._draining = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    async def submit(self, item: T) -> R:
+        if len(self._pending) >= self.max_pending:
+            raise Overloaded(
+                f"{self.name}: {self.max_pending} requests already queued (HCLIP_MAX_PENDING)"
+            )
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[R] = loop.create_future()
+        self._pending.append((item, future))
+        if not self._draining:
+            self._draining = True
+            self._task = loop.create_task(self._drain())  # held: the loop keeps weak refs
+        return await future  # cancelling the awaiting task cancels the future: item dropped
+
+    async def _call(self, items: list[T]) -> Sequence[R | Exception]:
+        if self.executor is None or (self.inline_if is not None and self.inline_if(items)):
+            return self.run_batch(items)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self.run_batch, items)
+
+    async def _run(self, items: list[T]) -> Sequence[R | Exception]:
+        try:
+            return await self._call(items)
+        except Exception as exc:
+            if len(items) == 1:
+                return [exc]
+            # Which item broke the call is unknown: each gets a call of its own.
+            log.warning(
+                "%s: a batch of %d failed (%r); retrying one by one", self.name, len(items), exc
+            )
+            out: list[R | Exception] = []
+            for item in items:
+                out.extend(await self._run([item]))
+            return out
+
+    async def _drain(self) -> None:
+        try:
+            while self._pending:
+                # Requests already being handled on this event loop (parsed, encoding) reach
+                # this queue within a few of its turns: while each turn brings more, wait for
+                # them, so that under load a call takes what is in flight instead of one query
+                # (one query costs a scan of the whole view, as a batch of several does). A lone
+                # request pays one turn of the loop, a few microseconds.
+                for _ in range(GATHER_TURNS):
+                    if len(self._pending) >= self.max_batch:
+                        break
+                    before = len(self._pending)
+                    await asyncio.sleep(0)
+                    if len(self._pending) == before:
+                        break
+                if self.wait_s and len(self._pending) < self.max_batch:
+                    await asyncio.sleep(self.wait_s)
+                live = [(i, f) for i, f in self._pending if not f.done()]
+                batch, self._pending = live[: self.max_batch], live[self.max_batch :]
+                if not batch:
+                    continue
+                results = await self._run([item for item, _ in batch])
+                if self.on_batch:
+                    self.on_batch(len(batch))
+                for (_, future), result in zip(batch, results, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(result, Exception):
+                        future.set_exception(result)
+                    else:
+                        future.set_result(result)
+        finally:
+            self._draining = False
+
+
+SearchResult = tuple[np.ndarray, np.ndarray]  # (scores, rows) of one query, best first
+NON_FINITE = "the encoder's output is not finite for this input (are its values too large?)"
+
+
+@dataclass(frozen=True)
+class SearchItem:
+    embs: dict[str, np.ndarray]  # the view's query modalities -> (d,) embeddings
+    k: int
+    filter: dict[str, Any] | None = None  # validated against the version's fields
+    effort: int | None = None  # an approximate index's ef_search or nprobe
+    field: str = "query"  # where the values came from, named if the factor is not finite
+
+
+class NotFiniteQuery(InputError):
+    """The query factor overflowed: the request's values are to blame."""
+
+
+def query_factors(head: Head, view: View, items: list[SearchItem]) -> np.ndarray:
+    """(B, D) float32: the head's query factors of a batch, computed in one call."""
+    embs = {m: torch.from_numpy(np.stack([it.embs[m] for it in items])) for m in view.query}
+    with torch.inference_mode():  # no autograd bookkeeping on the serving path
+        return head.query_factor(embs, view.query).numpy().astype(np.float32, copy=False)
+
+
+def search_batcher(
+    view: View,
+    head: Head,
+    executor: Executor,
+    max_batch: int,
+    wait_s: float,
+    on_batch: Callable[[int], None],
+    max_pending: int = 1024,
+    mask_of: Callable[[View, dict[str, Any]], np.ndarray] | None = None,
+    on_loop: bool = False,
+) -> MicroBatcher[SearchItem, SearchResult]:
+    """A batch's query factors come from the head in one call; its plain queries go to the
+    view together, a query with a filter or its own effort on its own, its filter evaluated
+    here, where the batch runs (a pass over the field columns): on the search thread, or on the
+    event loop when `on_loop` (a worker with about a core of its own, where a hop to a thread
+    only costs)."""
+
+    def run(items: list[SearchItem]) -> list[SearchResult | Exception]:
+        xq = query_factors(head, view, items)  # (B, D)
+        finite = np.isfinite(xq).all(axis=1)
+        out: list[SearchResult | Exception] = [
+            (np.empty(0), np.empty(0))
+            if ok
+            else NotFiniteQuery(f"{it.field}: the query's vector is not finite (values too large?)")
+            for it, ok in zip(items, finite.tolist(), strict=True)
+        ]
+        plain = [i for i, it in enumerate(items) if it.filter is None and it.effort is None]
+        plain = [i for i in plain if finite[i]]
+        if plain:
+            k_max = max(items[i].k for i in plain)
+            scores, rows = view.search(xq[plain], k_max)
+            for j, i in enumerate(plain):
+                out[i] = (scores[j, : items[i].k], rows[j, : items[i].k])
+        for i, it in enumerate(items):
+            if (it.filter is None and it.effort is None) or not finite[i]:
+                continue
+            allowed = None
+            if it.filter is not None:
+                assert mask_of is not None
+                allowed = mask_of(view, it.filter)
+            scores, rows = view.search(xq[i : i + 1], it.k, allowed, it.effort)
+            out[i] = (scores[0], rows[0])
+        return out
+
+    return MicroBatcher(
+        run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}",
+        inline_if=(lambda items: True) if on_loop else None,
+    )  # fmt: skip
+
+
+def encode_batcher(
+    model: MultimodalModel,
+    modality: str,
+    executor: Executor,
+    max_batch: int,
+    wait_s: float,
+    limits: InputLimits,
+    max_pending: int = 1024,
+    on_batch: Callable[[int], None] | None = None,
+) -> MicroBatcher[Any, np.ndarray]:
+    """Items are raw inputs (or, for `vector`, the tensors the request's checks decoded);
+    results are (d,) float32 embeddings, or the item's own InputError, which the caller names
+    with its field. A `vector` encoder is a small MLP, cheaper than a hop to a thread and back:
+    it runs inline on the event loop; the other kinds go to `executor`."""
+    cfg = model.cfg.modalities[modality]
+
+    def run(values: list[Any]) -> list[np.ndarray | Exception]:
+        out: list[np.ndarray | Exception] = []
+        decoded, where = [], []
+        for i, value in enumerate(values):
+            try:
+                # A JSON body holds no tensor: a tensor here was decoded by the checks.
+                item = (
+                    value if isinstance(value, torch.Tensor) else decode(value, cfg, None, limits)
+                )
+                decoded.append(item)
+                where.append(i)
+                out.append(np.empty(0))
+            except InputError as exc:
+                out.append(exc)
+        if decoded:
+            with torch.inference_mode():
+                embs = model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
+            finite = np.asarray(np.isfinite(embs).all(axis=1), dtype=bool)
+            for j, i in enumerate(where):
+                # Values near float32's limit overflow inside the encoder: the input's fault.
+                out[i] = embs[j] if bool(finite[j]) else InputError(NON_FINITE)
+        return out
+
+    return MicroBatcher(
+        run,
+        None if cfg.kind == "vector" else executor,
+        max_batch,
+        wait_s,
+        on_batch,
+        max_pending=max_pending,
+        name=f"{modality} encoder",
+    )

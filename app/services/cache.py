@@ -1,0 +1,120 @@
+"""Result and query-embedding caches: Redis when HCLIP_REDIS_URL is set, else an in-process LRU.
+
+Redis down or slow is never an error: a failed call (bounded by a short timeout) counts as a
+miss, is logged and counted, and Redis is skipped for a short while so that a dead server does
+not add its timeout to every request; after that the next call tries it again, so the cache
+comes back by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
+
+from app.core.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+class Cache(Protocol):
+    backend: str
+
+    async def get(self, key: str) -> bytes | None: ...
+
+    async def set(self, key: str, value: bytes, ttl_s: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryCache:
+    """An LRU with per-entry expiry; only touched from the event loop, so no lock."""
+
+    backend = "memory"
+
+    def __init__(self, max_items: int):
+        self.max_items = max_items
+        self._data: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+
+    async def get(self, key: str) -> bytes | None:
+        item = self._data.get(key)
+        if item is None:
+            return None
+        expires, value = item
+        if expires < time.monotonic():
+            del self._data[key]
+            return None
+        self._data.move_to_end(key)
+        return value
+
+    async def set(self, key: str, value: bytes, ttl_s: int) -> None:
+        self._data[key] = (time.monotonic() + ttl_s, value)
+        self._data.move_to_end(key)
+        while len(self._data) > self.max_items:
+            self._data.popitem(last=False)
+
+    async def close(self) -> None:
+        self._data.clear()
+
+
+class RedisCache:
+    backend = "redis"
+
+    def __init__(self, url: str, timeout_s: float, retry_s: float, metrics: Metrics):
+        self.client = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        )
+        self.timeout_s = timeout_s
+        self.retry_s = retry_s
+        self.metrics = metrics
+        self._down_until = 0.0
+        self._down = False
+
+    def _failed(self, exc: BaseException) -> None:
+        self.metrics.cache_errors.inc()
+        self._down_until = time.monotonic() + self.retry_s
+        if not self._down:
+            log.warning("redis unavailable, serving uncached: %s", exc or type(exc).__name__)
+        self._down = True
+
+    def _ok(self) -> None:
+        if self._down:
+            log.warning("redis is back; caching again")
+        self._down = False
+
+    async def _call(self, coro_factory: Callable[[], Awaitable[Any]]) -> Any:
+        if time.monotonic() < self._down_until:
+            return None
+        try:
+            result = await asyncio.wait_for(coro_factory(), self.timeout_s * 2)
+        except (TimeoutError, RedisError, OSError) as exc:
+            self._failed(exc)
+            return None
+        self._ok()
+        return result
+
+    async def get(self, key: str) -> bytes | None:
+        value = await self._call(lambda: self.client.get(key))
+        return value if isinstance(value, bytes) else None
+
+    async def set(self, key: str, value: bytes, ttl_s: int) -> None:
+        await self._call(lambda: self.client.set(key, value, ex=ttl_s))
+
+    async def close(self) -> None:
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.aclose()
+
+
+def make_cache(
+    redis_url: str | None, *, max_items: int, timeout_s: float, retry_s: float, metrics: Metrics
+) -> Cache:
+    if redis_url:
+        return RedisCache(redis_url, timeout_s, retry_s, metrics)
+    return MemoryCache(max_items)

@@ -1,0 +1,53 @@
+"""The service's worker threads: one for searches, one per modality for encodes.
+
+OpenMP keeps its thread count per thread, so each pool sets its own in an initializer that runs
+in the thread itself; a setting made on the event loop's thread would not reach them. One
+thread per encoder kind means that a slow image decode never delays an audio or text search.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import faiss
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _search_thread(threads: int) -> None:
+    faiss.omp_set_num_threads(threads)
+    torch.set_num_threads(threads)  # batches are torch matrix products (indexer.search.exact)
+
+
+def _torch_thread(threads: int) -> None:
+    torch.set_num_threads(threads)
+
+
+class WorkerPools:
+    def __init__(self, search_threads: int, torch_threads: int):
+        self.torch_threads = torch_threads
+        self.search = ThreadPoolExecutor(
+            1, thread_name_prefix="search", initializer=_search_thread, initargs=(search_threads,)
+        )
+        self._encoders: dict[str, ThreadPoolExecutor] = {}
+
+    def encoder(self, modality: str) -> ThreadPoolExecutor:
+        """The pool that encodes `modality` (created on first use; modalities come with the
+        model, which is loaded after start-up)."""
+        pool = self._encoders.get(modality)
+        if pool is None:
+            pool = ThreadPoolExecutor(
+                1,
+                thread_name_prefix=f"encode-{modality}",
+                initializer=_torch_thread,
+                initargs=(self.torch_threads,),
+            )
+            self._encoders[modality] = pool
+        return pool
+
+    def shutdown(self) -> None:
+        self.search.shutdown(wait=True)
+        for pool in self._encoders.values():
+            pool.shutdown(wait=True)

@@ -1,0 +1,206 @@
+"""The loaded version and its hot swap.
+
+A request takes the ServingVersion that is current when it starts and uses it to the end, so
+it finishes on the old version even if a new one is swapped in meanwhile; the old version's
+memory maps close when the last such request lets go of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from app.core.errors import VersionRejected
+from app.core.metrics import Metrics
+from app.core.settings import Settings
+from app.services.batching import (
+    MicroBatcher,
+    SearchItem,
+    SearchResult,
+    encode_batcher,
+    search_batcher,
+)
+from app.services.threads import WorkerPools
+from indexer.store import artifact
+from indexer.store.verify import verify_contents, verify_files
+from indexer.store.version import LoadedVersion
+from models.checkpoint import fingerprint, load_model
+from models.model import MultimodalModel
+
+log = logging.getLogger(__name__)
+
+
+def open_checked(vdir: Path, level: str) -> LoadedVersion:
+    """Open a version for serving after the checks `level` asks for (see indexer.verify):
+    "quick" costs the same whatever the record count, "full" reads and recomputes it all."""
+    version_id = vdir.name
+    problems = verify_files(vdir, full=level == "full") if level != "off" else []
+    if problems:
+        raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+    try:
+        index = LoadedVersion(vdir)
+    except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
+        raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
+    problems = verify_contents(vdir) if level == "full" else []
+    if problems:
+        raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+    return index
+
+
+@dataclass
+class ServingVersion:
+    index: LoadedVersion
+    model: MultimodalModel
+    searchers: dict[str, MicroBatcher[SearchItem, SearchResult]] = field(
+        default_factory=dict
+    )  # one per view
+    encoders: dict[str, MicroBatcher[Any, np.ndarray]] = field(default_factory=dict)
+
+    @property
+    def version(self) -> str:
+        return self.index.version
+
+    @property
+    def fingerprint(self) -> str:
+        return self.index.fingerprint
+
+
+@dataclass
+class Rejection:
+    """A version that could not be loaded, and when the poller will try it again."""
+
+    reason: str
+    attempts: int
+    retry_at: float  # time.monotonic()
+
+
+class VersionManager:
+    """Loads the version CURRENT names and swaps it in; retries a rejected one with backoff,
+    since what failed may be transient (a model volume not mounted yet, a disk hiccup)."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, pools: WorkerPools):
+        self.settings = settings
+        self.root = Path(settings.root)
+        self.metrics = metrics
+        self.pools = pools
+        self.current: ServingVersion | None = None
+        self.rejected: dict[str, Rejection] = {}
+        self._models: dict[str, MultimodalModel] = {}
+        self._lock = asyncio.Lock()
+        self._search_on_loop = settings.searches_on_loop()
+
+    def _open(self, version_id: str) -> ServingVersion:
+        """Blocking: check and open a version, load (or reuse) its model, build its workers."""
+        index = open_checked(
+            artifact.version_dir(self.root, version_id), self.settings.verify_on_load
+        )
+        model = self._model_for(index)
+        return self._serving(index, model)
+
+    def _model_for(self, index: LoadedVersion) -> MultimodalModel:
+        """The model that built `index`, loaded once and shared by its later versions."""
+        model = self._models.get(index.fingerprint)
+        if model is not None:
+            return model
+        model_dir = Path(index.manifest["model"]["path"])
+        try:  # CheckpointError is a ValueError
+            found = fingerprint(model_dir)
+            if found != index.fingerprint:
+                raise VersionRejected(
+                    f"model at {model_dir} (fingerprint {found}) is not the one that built "
+                    f"version {index.version} ({index.fingerprint})"
+                )
+            model = load_model(model_dir)
+        except (OSError, ValueError) as exc:
+            raise VersionRejected(f"model of version {index.version}: {exc}") from None
+        self._models = {index.fingerprint: model}  # keep only the model in use
+        return model
+
+    def _serving(self, index: LoadedVersion, model: MultimodalModel) -> ServingVersion:
+        s = self.settings
+        serving = ServingVersion(index, model)
+        wait_s = s.batch_wait_ms / 1000.0
+        for name, view in index.views.items():
+            serving.searchers[name] = search_batcher(
+                view, model.head, self.pools.search, s.batch_max, wait_s,
+                self.metrics.batch_size.observe, s.max_pending, index.mask_of,
+                self._search_on_loop,
+            )  # fmt: skip
+        limits = s.input_limits()
+        for name in model.names:
+            serving.encoders[name] = encode_batcher(
+                model, name, self.pools.encoder(name), s.batch_max, wait_s, limits, s.max_pending,
+                self.metrics.encode_batch_size.labels(name).observe,
+            )  # fmt: skip
+        return serving
+
+    def _reject(self, version_id: str, reason: str) -> Rejection:
+        previous = self.rejected.get(version_id)
+        attempts = previous.attempts + 1 if previous else 1
+        s = self.settings
+        delay = min(s.reload_retry_max_s, s.reload_retry_s * 2 ** (attempts - 1))
+        rejection = Rejection(reason, attempts, time.monotonic() + delay)
+        self.rejected[version_id] = rejection
+        self.metrics.reloads.labels(outcome="rejected").inc()
+        self.metrics.rejected_versions.set(len(self.rejected))
+        log.error(
+            "%s; still serving %s; trying again in %.0f s (attempt %d)",
+            reason,
+            self.current.version if self.current else "nothing",
+            delay,
+            attempts,
+        )
+        return rejection
+
+    async def refresh(self, force: bool = False) -> bool:
+        """Load the version CURRENT names if it is new; True when a swap happened. A version
+        rejected before is tried again once its backoff has passed (at once when forced)."""
+        async with self._lock:
+            version_id = artifact.read_current(self.root)
+            if version_id is None:
+                return False
+            if self.current is not None and self.current.version == version_id:
+                return False
+            rejected = self.rejected.get(version_id)
+            if rejected is not None and not force and time.monotonic() < rejected.retry_at:
+                return False
+            t0 = time.perf_counter()
+            try:
+                serving = await asyncio.get_running_loop().run_in_executor(
+                    None, self._open, version_id
+                )
+            except VersionRejected as exc:
+                self._reject(version_id, exc.message)
+                raise
+            took = time.perf_counter() - t0
+            self.metrics.load_seconds.set(took)
+            old = self.current
+            self.current = serving
+            # A version CURRENT no longer names will not be tried again.
+            self.rejected.clear()
+            self.metrics.rejected_versions.set(0)
+            self.metrics.set_version(version_id)
+            self.metrics.reloads.labels(outcome="loaded").inc()
+            log.info(
+                "serving version %s (was %s), opened in %.3f s",
+                version_id,
+                old.version if old else "none",
+                took,
+            )
+            return True
+
+    async def poll_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except VersionRejected:
+                pass
+            except Exception:  # the poller must survive anything a bad root throws at it
+                log.exception("checking %s for a new version failed", self.root)
+            await asyncio.sleep(self.settings.poll_interval_s)

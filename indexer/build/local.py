@@ -1,0 +1,96 @@
+"""The local engine: read, check, admit, encode and write a version's rows on this machine.
+
+Reader processes check chunks ahead of the encoder (indexer.build.readahead); this process
+admits them in input order (indexer.ingest.admission: duplicate ids, the first bad record) and
+encodes the admitted rows with torch; the writer's thread (indexer.build.writer) appends them
+to the version. Bounded queues between them keep memory to a few chunks whatever the input.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from indexer.build.encode import encode_rows
+from indexer.build.readahead import ahead
+from indexer.build.writer import RowWriter
+from indexer.ingest.admission import Admission
+from indexer.ingest.checks import Checked, ChunkChecker
+from indexer.ingest.sources import CHUNK_ROWS, Chunk, RecordFiles
+from indexer.ingest.validate import Rows
+from models.model import MultimodalModel
+
+AHEAD_PER_READER = 2  # chunks in flight per reader process
+
+
+def cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_readers(n_cores: int) -> int:
+    """Reader processes for a machine of `n_cores`: a quarter of them, at least one (checking
+    costs a fraction of encoding, even for the cheapest encoders)."""
+    return max(1, n_cores // 4)
+
+
+@dataclass
+class CheckedChunk:
+    checked: Checked
+    records: int  # records the chunk held, valid or not
+
+
+class _Check:
+    """A picklable `chunk -> CheckedChunk` for the reader processes (they inherit it)."""
+
+    def __init__(self, checker: ChunkChecker):
+        self.checker = checker
+
+    def __call__(self, chunk: Chunk) -> CheckedChunk:
+        return CheckedChunk(self.checker.check(chunk), len(chunk))
+
+
+def encode_local(
+    model: MultimodalModel,
+    files: RecordFiles,
+    checker: ChunkChecker,
+    admission: Admission,
+    writer: RowWriter,
+    batch_size: int,
+    chunk_rows: int = CHUNK_ROWS,
+    progress: bool = True,
+    readers: int | None = None,
+) -> int:
+    """Check, admit, encode and write every record of `files`, `chunk_rows` checked at once
+    and `batch_size` per encoder call; returns the rows written. The records left out join
+    `admission.rejected`. `readers`: reader processes (default: from the cores; 0 checks here).
+    torch keeps the cores the readers leave, unless its thread count was set (OMP_NUM_THREADS)."""
+    n_readers = default_readers(cores()) if readers is None else readers
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, cores() - n_readers))
+    chunks: Generator[CheckedChunk, None, None] = ahead(
+        _Check(checker), files.chunks(chunk_rows), n_readers, AHEAD_PER_READER * n_readers
+    )
+    bar = tqdm(desc="encode", unit="rec", disable=not progress)
+    before = writer.rows
+    try:
+        for chunk in chunks:
+            keep = admission.admit(chunk.checked)
+            write_admitted(model, chunk.checked.rows.take(keep), writer, batch_size)
+            bar.update(chunk.records)
+        writer.drain()
+    finally:
+        chunks.close()
+        bar.close()
+    return writer.rows - before
+
+
+def write_admitted(model: MultimodalModel, rows: Rows, writer: RowWriter, batch_size: int) -> None:
+    """Encode the rows here; write them on the writer's thread."""
+    if len(rows):
+        writer.write_rows(
+            rows.ids, rows.payloads, rows.presence, encode_rows(model, rows, batch_size)
+        )

@@ -1,0 +1,207 @@
+"""`hclip index tune`: re-tune the published version's views and publish the result as a new
+version, re-using the stored embeddings (nothing is re-encoded).
+
+    hclip index tune --root ROOT [--view V[,V..]] [--recall R] [--queries FILE]
+                     [--min-speedup X] [--families hnsw,ivf,ivfip,ivfpq,ivfsq]
+                     [--timing-seconds S] [--model MODEL_DIR] [--plot DIR]
+
+The new version is the current one with the tuned views rebuilt (indexer.views.build_view
+with an `auto` spec, so the tuner of indexer.tune picks each one's index) and every other file
+hard-linked from the current version (files of a published version are never modified, so a
+link is as good as a copy; a copy is made where links are not possible). It is staged, fully
+verified and published like a build (indexer.artifact), under the root's writer lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from indexer.store import artifact
+from indexer.tune.query_log import read_queries
+from indexer.store.version import LoadedVersion
+from indexer.store.rows import load_rows
+from indexer.store.recordstore import id_hash_of
+from indexer.search.specs import DEFAULT_TARGET_RECALL, IndexSpec, SpecError
+from indexer.tune.tuner import FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, TuneOptions
+from indexer.store.verify import verify_contents
+from indexer.build.views import build_view
+from models.checkpoint import fingerprint, load_model
+from models.model import MultimodalModel
+
+log = logging.getLogger(__name__)
+
+VIEW_FILES = (".faiss", ".npy", ".rows.npy")  # a view's files, all rebuilt when it is tuned
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """`tune` under `hclip index` (indexer.cli passes its subparsers)."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "tune",
+        help="measure index families on the published version's views and publish a new "
+        "version with the fastest that keeps the recall target",
+    )
+    p.add_argument("--root", required=True, type=Path)
+    p.add_argument("--view", help="comma-separated views to tune (default: all)")
+    p.add_argument(
+        "--recall",
+        type=float,
+        default=DEFAULT_TARGET_RECALL,
+        help=f"recall@10 target (default {DEFAULT_TARGET_RECALL})",
+    )
+    p.add_argument(
+        "--queries",
+        type=Path,
+        help="held-out queries: JSON Lines of /v1/search request bodies (e.g. a request log)",
+    )
+    p.add_argument(
+        "--min-speedup",
+        type=float,
+        default=MIN_SPEEDUP,
+        help=f"an index must beat flat search's single-query speed by this (default {MIN_SPEEDUP})",
+    )
+    p.add_argument("--families", help=f"comma-separated subset of {','.join(FAMILIES)}")
+    p.add_argument(
+        "--timing-seconds",
+        type=float,
+        default=MIN_TIMING_S,
+        help=f"each speed measurement runs at least this long, twice (default {MIN_TIMING_S}; "
+        "shorter is noisier)",
+    )
+    p.add_argument("--model", type=Path, help="default: the model that built the version")
+    p.add_argument("--plot", type=Path, help="write each view's frontier as DIR/<view>.png")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    target = IndexSpec.parse(f"auto:recall={args.recall}").target_recall
+    assert target is not None
+    families = tuple(f.strip() for f in (args.families or ",".join(FAMILIES)).split(","))
+    bad = [f for f in families if f not in FAMILIES]
+    if bad or not families:
+        raise SpecError(f"--families: unknown family {bad[0]!r} (known: {', '.join(FAMILIES)})")
+    if args.min_speedup < 0 or args.timing_seconds <= 0:
+        raise SpecError("--min-speedup must not be negative, --timing-seconds must be positive")
+    views = [v.strip() for v in args.view.split(",")] if args.view else None
+    opts = TuneOptions(
+        families=families, min_speedup=args.min_speedup, timing_s=args.timing_seconds
+    )
+    _, manifest = tune_version(args.root, target, opts, views, args.queries, args.model)
+    print(f"published version {manifest['version']} (tuned from {manifest['parent']})")
+    for name in manifest["tune"]["views"]:
+        entry = manifest["views"][name]
+        t = entry.get("tuning", {})
+        check = t.get("check", {})
+        speed = (
+            f", {check['speedup_single']}x flat single-query" if "speedup_single" in check else ""
+        )
+        why = f" ({t['why']})" if "why" in t else ""
+        print(
+            f"  view {name:<20} {IndexSpec.from_dict(entry['spec'])}  recall@10 "
+            f"{entry['recall_at_10']}{speed}{why}"
+        )
+    if args.plot:
+        from indexer.tune.frontier_plot import plot_view
+
+        args.plot.mkdir(parents=True, exist_ok=True)
+        for name in manifest["tune"]["views"]:
+            if "frontier" in manifest["views"][name].get("tuning", {}):
+                out = args.plot / f"{name}.png"
+                plot_view(manifest["views"][name]["tuning"], f"view {name}", out)
+                print(f"  frontier of view {name}: {out}")
+    return 0
+
+
+def _model(manifest: dict[str, Any], model_dir: Path | None) -> MultimodalModel:
+    """The model that built the version: the query side of the tuning (omega) needs its
+    weights, and a different model would tune for queries the version never gets."""
+    model_dir = model_dir or Path(manifest["model"]["path"])
+    fp = fingerprint(model_dir)
+    if fp != manifest["model"]["fingerprint"]:
+        raise artifact.ArtifactError(
+            f"model {model_dir} (fingerprint {fp}) differs from the one that built version "
+            f"{manifest['version']} ({manifest['model']['fingerprint']})"
+        )
+    return load_model(model_dir)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _check(stage: Path) -> list[str]:
+    LoadedVersion(stage).records.close()  # opening checks every shape against the manifest
+    return verify_contents(stage)
+
+
+def tune_version(
+    root: Path,
+    target: float,
+    opts: TuneOptions,
+    views: list[str] | None = None,
+    queries: Path | None = None,
+    model_dir: Path | None = None,
+) -> tuple[Path, dict[str, Any]]:
+    """Publish a new version whose `views` (default: all) are tuned for recall@10 >= target;
+    (its path, its manifest)."""
+    with artifact.root_lock(root):
+        artifact.clean_staging(root)
+        old = artifact.current_version_dir(root)
+        manifest = artifact.read_manifest(old)
+        known = list(manifest["views"])
+        chosen = views or known
+        unknown = [v for v in chosen if v not in known]
+        if unknown:
+            raise SpecError(f"--view: no view {unknown[0]!r} in {old.name} (views: {known})")
+        model = _model(manifest, model_dir)
+        if queries is not None:
+            opts.held_out, other = read_queries(queries, model, chosen)
+            log.info(
+                "held-out queries: %s; %d lines for other views ignored",
+                {v: len(q) for v, q in opts.held_out.items()},
+                other,
+            )
+        stage = artifact.staging_dir(root, artifact.new_version_id())
+        try:
+            rebuilt = {f"{artifact.VIEWS}/{v}{ext}" for v in chosen for ext in VIEW_FILES}
+            for rel in manifest["files"]:
+                if rel not in rebuilt:
+                    _link_or_copy(old / rel, stage / rel)
+            stored = load_rows(stage, manifest["modalities"], mmap=False)
+            entries = dict(manifest["views"])
+            spec = IndexSpec("auto", {}, target)
+            for name in chosen:
+                query = tuple(entries[name]["query"])
+                entries[name] = build_view(stage, model.head, stored, query, spec, opts)
+            new = {k: v for k, v in manifest.items() if k not in ("files", "update", "tune")}
+            new |= {
+                "format_version": artifact.FORMAT_VERSION,
+                "id_hash": id_hash_of(manifest),  # the store is kept as it is
+                "version": stage.name,
+                "parent": old.name,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "views": entries,
+                "tune": {
+                    "views": chosen,
+                    "target_recall": target,
+                    "queries_file": str(queries.resolve()) if queries else None,
+                    "families": list(opts.families),
+                    "min_speedup": opts.min_speedup,
+                },
+            }
+            path = artifact.publish(root, stage, new, _check)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+    log.info("published version %s (views tuned: %s)", stage.name, ", ".join(chosen))
+    return path, new

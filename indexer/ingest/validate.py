@@ -1,0 +1,199 @@
+"""Checking records one at a time: the reference Validator for every message, the validated
+record, a rejected one, and the rows the encoders take.
+
+Every way a line can be bad (not JSON, NaN, a wrong type or length, an unknown modality, a
+duplicate id, undecodable media, a payload that cannot be stored) is a RecordError for that
+line, so `--skip-bad` can leave it out and name it. indexer.ingest.checks checks whole chunks
+at once and hands the records its fast checks do not clear to the Validator, so both name a bad
+record alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from indexer.ingest.sources import RawRecord
+from indexer.store.fields import FieldsWriter, FieldValueError
+from models.encoders import decode
+from models.limits import InputError
+from models.model import MultimodalModel
+from models.records import RecordError, parse_line
+
+log = logging.getLogger(__name__)
+
+RESERVED_KEYS = ("id", "payload")
+ARRAY_KINDS = ("vector", "embedding")  # fixed-length numbers: checked and encoded as arrays
+
+
+@dataclass
+class Record:
+    """A validated record: its decoded inputs and what is stored about it."""
+
+    id: str
+    line: int | None
+    payload_json: bytes  # the payload as compact JSON, as the record store keeps it
+    inputs: dict[str, Any]  # modality -> decoded input
+
+    def presence(self, names: list[str]) -> list[bool]:
+        return [n in self.inputs for n in names]
+
+
+@dataclass
+class Rejected:
+    line: int | None
+    id: str | None
+    reason: str
+    file: str | None = None  # named only when the input has several files
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {"line": self.line, "id": self.id, "reason": self.reason}
+        return out if self.file is None else {"file": self.file, **out}
+
+    def where(self) -> str:
+        """As RecordError names it: `line 3, id 'r-2'` (either part may be missing), with the
+        file when the input has several: `line 3 of part-1.jsonl, id 'r-2'`."""
+        parts = [f"line {self.line}"] if self.line is not None else []
+        if parts and self.file is not None:
+            parts[0] += f" of {self.file}"
+        parts += [f"id {self.id!r}"] if self.id is not None else []
+        return ", ".join(parts) or "a record"
+
+
+def payload_json(payload: Any, line: int | None, rid: str) -> bytes:
+    if not isinstance(payload, dict):
+        raise RecordError("'payload' must be a JSON object", line, rid)
+    try:
+        return orjson.dumps(payload)
+    except TypeError as exc:  # e.g. an integer beyond 64 bits, which the store cannot keep
+        raise RecordError(f"payload: cannot be stored ({exc})", line, rid) from None
+
+
+@dataclass
+class Validator:
+    """Checks records one by one against the model: the reference for every message.
+
+    A check runs in two stages, so that a duplicate id can be told apart from other mistakes
+    by whoever sees the records in order (indexer.ordering): `parse` (is it a JSON object with a
+    string id?) and `finish` (payload, filter fields, modalities), with the duplicate check
+    between them. `check` runs all three itself, for callers that see every record in order.
+    """
+
+    model: MultimodalModel
+    base_dir: Path
+    skip_bad: bool = False
+    filter_fields: tuple[str, ...] = ()
+    seen: dict[str, int | None] = field(default_factory=dict)
+    rejected: list[Rejected] = field(default_factory=list)
+
+    def parse(self, line: int | None, raw: RawRecord) -> tuple[dict[str, Any], str]:
+        if isinstance(raw, RecordError):
+            raise raw
+        obj = parse_line(raw, line or 0) if isinstance(raw, bytes) else raw
+        rid = obj.get("id")
+        if not isinstance(rid, str) or not rid:
+            raise RecordError("'id' must be a non-empty string", line)
+        return obj, rid
+
+    def finish(self, obj: dict[str, Any], rid: str, line: int | None) -> Record:
+        payload = payload_json(obj.get("payload", {}), line, rid)
+        if self.filter_fields:
+            try:
+                FieldsWriter.check(obj.get("payload") or {}, self.filter_fields)
+            except FieldValueError as exc:
+                raise RecordError(str(exc), line, rid) from None
+        inputs = {}
+        for key, value in obj.items():
+            if key in RESERVED_KEYS or value is None:
+                continue
+            if key not in self.model.cfg.modalities:
+                raise RecordError(
+                    f"unknown modality {key!r} (model has: {', '.join(self.model.names)})",
+                    line,
+                    rid,
+                )
+            try:
+                inputs[key] = decode(value, self.model.cfg.modalities[key], self.base_dir)
+            except InputError as exc:
+                raise RecordError(f"{key}: {exc}", line, rid) from None
+        if not inputs:
+            raise RecordError("record has no modality", line, rid)
+        return Record(rid, line, payload, inputs)
+
+    def _check(self, line: int | None, raw: RawRecord) -> Record:
+        obj, rid = self.parse(line, raw)
+        if rid in self.seen:
+            first = self.seen[rid]
+            where = f"line {first}" if first is not None else "an earlier record"
+            raise RecordError(f"duplicate id, first seen on {where}", line, rid)
+        record = self.finish(obj, rid, line)
+        self.seen[rid] = line
+        return record
+
+    def check(self, line: int | None, raw: RawRecord) -> Record | None:
+        try:
+            return self._check(line, raw)
+        except RecordError as exc:
+            if not self.skip_bad:
+                raise
+            self.reject(exc)
+            return None
+
+    def reject(self, exc: RecordError) -> None:
+        self.rejected.append(Rejected(exc.line, exc.record_id, exc.reason))
+        log.warning("skipped: %s", exc)
+
+
+@dataclass
+class Rows:
+    """Validated records in input order, column by column: what the encoders take and the
+    record store keeps. `inputs[name]` is an (n, dim) float32 array for vector and embedding
+    modalities (zero rows where absent) and a list of decoded inputs (None where absent) for
+    the others; `presence` (n, m) says which are real."""
+
+    locs: np.ndarray  # (n,) int64: indexer.sources locations
+    ids: list[str]
+    payloads: list[bytes]
+    presence: np.ndarray  # (n, m) bool, the model's modality order
+    inputs: dict[str, Any]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        """Consecutive parts as one, in order."""
+        first = parts[0]
+        return Rows(
+            np.concatenate([p.locs for p in parts]),
+            [i for p in parts for i in p.ids],
+            [x for p in parts for x in p.payloads],
+            np.concatenate([p.presence for p in parts]),
+            {
+                n: np.concatenate([p.inputs[n] for p in parts])
+                if isinstance(v, np.ndarray)
+                else [x for p in parts for x in p.inputs[n]]
+                for n, v in first.inputs.items()
+            },
+        )
+
+    def take(self, keep: np.ndarray) -> Rows:
+        """The rows where `keep` (n,) bool is true, in order."""
+        if bool(keep.all()):
+            return self
+        idx = np.flatnonzero(keep)
+        return Rows(
+            self.locs[idx],
+            [self.ids[i] for i in idx],
+            [self.payloads[i] for i in idx],
+            self.presence[idx],
+            {
+                n: v[idx] if isinstance(v, np.ndarray) else [v[i] for i in idx]
+                for n, v in self.inputs.items()
+            },
+        )

@@ -1,0 +1,87 @@
+"""Exact maximum-inner-product search over a memory-mapped (N, D) float32 matrix.
+
+Two library kernels and a fixed rule: a lone query is FAISS's scan (faiss.knn: one pass over
+the rows with a top-k heap, no temporary the size of the view); a batch is a matrix product
+with torch's BLAS and torch's top-k, over blocks of rows so that the scores of a block stay
+small, since one pass over memory then serves every query of the batch. FAISS's own batched
+path runs the BLAS bundled with its wheel, which some CPUs get only generic kernels of;
+torch's dispatches on the CPU it finds.
+
+Both return (scores, positions), (nq, k), best first, k <= N. Under ties they may pick
+different positions of equal score; every returned score is the exact inner product of its
+position (within float rounding).
+"""
+
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import torch
+
+BLOCK_ROWS = 16384  # scores of a block stay small: (B, 16384) float32 is 4 MB at B = 64
+SUBSET_FRACTION = 0.25  # below this share of allowed rows, copy them out and search the copy
+
+
+def scan(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """FAISS's exact scan, a top-k heap per query (it takes its BLAS path only for batches
+    far larger than the service forms)."""
+    scores, pos = faiss.knn(xq, xb, k, metric=faiss.METRIC_INNER_PRODUCT)
+    return scores, pos
+
+
+def product_topk(
+    xq: np.ndarray, xb: np.ndarray, k: int, allowed: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """torch's matrix products on blocks of rows, top-k per block, merged. With `allowed`
+    (N,) bool, other rows score -inf (k must not exceed the allowed count)."""
+    q = torch.from_numpy(np.ascontiguousarray(xq, dtype=np.float32))  # (B, D)
+    best_s: torch.Tensor | None = None
+    best_i: torch.Tensor | None = None
+    for start in range(0, xb.shape[0], BLOCK_ROWS):
+        if allowed is not None and not allowed[start : start + BLOCK_ROWS].any():
+            continue
+        block = torch.from_numpy(xb[start : start + BLOCK_ROWS])  # a view of the map, no copy
+        s = q @ block.T  # (B, rows)
+        if allowed is not None:
+            s[:, torch.from_numpy(~allowed[start : start + BLOCK_ROWS])] = -torch.inf
+        v, i = torch.topk(s, min(k, s.shape[1]), dim=1)
+        i += start
+        if best_s is None or best_i is None:
+            best_s, best_i = v, i
+            continue
+        cat_s, cat_i = torch.cat([best_s, v], 1), torch.cat([best_i, i], 1)
+        best_s, idx = torch.topk(cat_s, k, dim=1)
+        best_i = torch.gather(cat_i, 1, idx)
+    assert best_s is not None and best_i is not None
+    return best_s.numpy(), best_i.numpy()
+
+
+def _empty(nq: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.zeros((nq, 0), np.float32), np.zeros((nq, 0), np.int64)
+
+
+def search(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, positions), (nq, min(k, N)); empty when N or k is 0."""
+    k = min(k, xb.shape[0])
+    if k == 0 or len(xq) == 0:
+        return _empty(len(xq))
+    xq = np.ascontiguousarray(xq, dtype=np.float32)
+    return scan(xq, xb, k) if len(xq) == 1 else product_topk(xq, xb, k)
+
+
+def search_allowed(
+    xq: np.ndarray, xb: np.ndarray, k: int, allowed: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact search restricted to the positions where `allowed` (N,) is True: min(k, allowed)
+    results per query, whatever the share of allowed rows.
+
+    Few allowed rows are gathered into a small matrix and searched; many are searched in place
+    with the others' scores masked out, so that no large copy is made."""
+    positions = np.flatnonzero(allowed)
+    k = min(k, len(positions))
+    if k == 0 or len(xq) == 0:
+        return _empty(len(xq))
+    if len(positions) <= SUBSET_FRACTION * xb.shape[0]:
+        scores, pos = search(xq, np.ascontiguousarray(xb[positions]), k)
+        return scores, positions[pos]
+    return product_topk(np.ascontiguousarray(xq, dtype=np.float32), xb, k, allowed)

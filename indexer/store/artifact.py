@@ -1,0 +1,309 @@
+"""The versioned index artifact (docs/design.md §5): layout, manifests, checksums, atomic
+publication.
+
+    ROOT/CURRENT                    id of the published version, replaced atomically
+    ROOT/versions/<id>/             complete before CURRENT names it, never modified afterwards
+    ROOT/.staging/<id>/             a version being written; removed by the next run if it died
+    ROOT/.lock                      held (flock) by the one build, update or gc running
+
+A version directory is renamed into versions/ only after every file in it is fsynced, and
+CURRENT is replaced only after that rename is durable, so a process killed at any point leaves
+CURRENT and every published version untouched.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import blake3
+
+from indexer.store.arrays import start_writeback
+
+log = logging.getLogger(__name__)
+
+# 2: a memory-mapped record store (records/) replaced records.jsonl; 3: BLAKE3 checksums and
+# the store's id hash named in the manifest. Format 2 is still read.
+FORMAT_VERSION = 3
+READS_FORMATS = (2, 3)
+CURRENT = "CURRENT"
+VERSIONS = "versions"
+STAGING = ".staging"
+LOCK = ".lock"
+MANIFEST = "manifest.json"
+EMBEDDINGS = "embeddings"
+VIEWS = "views"
+REJECTED = "rejected.jsonl"
+
+
+class ArtifactError(RuntimeError):
+    """The index root or a version in it is missing, locked, or inconsistent."""
+
+
+def new_version_id() -> str:
+    """Sortable by creation time, unique across concurrent hosts."""
+    now = time.time()
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now % 1 * 1e6):06d}Z"
+    return stamp + "-" + secrets.token_hex(3)
+
+
+def _on_fd(path: Path, op: Callable[[int], object]) -> None:
+    """`op` on a read-only descriptor of `path` (a file or a directory)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        op(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    _on_fd(path, os.fsync)
+
+
+def fsync_tree(path: Path) -> None:
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            fsync_path(Path(dirpath) / f)
+        fsync_path(Path(dirpath))
+
+
+def start_writeback_tree(path: Path) -> None:
+    """Start writing every file's dirty pages to disk without waiting (indexer.arrays), so
+    that the disk works while the cores check and the fsync after finds little left (files
+    written whole by np.save, the id index and the views' rows, would wait for it)."""
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            _on_fd(Path(dirpath) / f, start_writeback)
+
+
+@contextmanager
+def root_lock(root: Path) -> Iterator[None]:
+    """Exclusive writer lock on ROOT; the kernel releases it when the holder dies (SIGKILL too)."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EACCES):
+                raise ArtifactError(
+                    f"{root}: another build, update or gc is running (it holds {root / LOCK})"
+                ) from None
+            raise
+        yield
+    finally:
+        os.close(fd)
+
+
+def clean_staging(root: Path) -> list[str]:
+    """Remove what dead runs left; only call with the root lock held."""
+    staging = root / STAGING
+    removed = []
+    if staging.is_dir():
+        for entry in staging.iterdir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+    for tmp in root.glob(f"{CURRENT}.tmp*"):
+        tmp.unlink(missing_ok=True)
+    if removed:
+        log.warning("removed unfinished versions left by a dead run: %s", ", ".join(removed))
+    return removed
+
+
+def staging_dir(root: Path, version_id: str) -> Path:
+    path = root / STAGING / version_id
+    (path / EMBEDDINGS).mkdir(parents=True)
+    (path / VIEWS).mkdir()
+    return path
+
+
+def version_dir(root: Path, version_id: str) -> Path:
+    return root / VERSIONS / version_id
+
+
+def sha256_file(path: Path) -> str:
+    """Format 2's checksum: the SHA-256 of the whole file."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# Format 3's checksum: BLAKE3 of the whole file, many times faster than SHA-256 on CPUs without
+# SHA extensions, where SHA-256 took most of a build's time after encoding.
+CHECKSUM = "blake3"
+
+
+HASH_READ_BYTES = 4 << 20  # read in slices: a memory map would keep every page hashed resident
+
+
+def blake3_file(path: Path, threads: int = blake3.blake3.AUTO) -> str:
+    """Read in slices into one buffer: a memory map of the file (blake3's update_mmap) puts
+    every page hashed in the process's resident set."""
+    h = blake3.blake3(max_threads=threads)
+    buf = bytearray(HASH_READ_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])  # lets go of the GIL; spreads a slice over `threads`
+    return str(h.hexdigest())
+
+
+def list_files(vdir: Path) -> list[str]:
+    """Every file of a version but its manifest, as paths relative to the version."""
+    return [
+        p.relative_to(vdir).as_posix()
+        for p in sorted(vdir.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    ]
+
+
+def file_table(vdir: Path) -> dict[str, dict[str, Any]]:
+    """Every file's checksum and size; a file under two names (a hard link) is read once."""
+    table: dict[str, dict[str, Any]] = {}
+    seen: dict[tuple[int, int], dict[str, Any]] = {}
+    for rel in list_files(vdir):
+        st = (vdir / rel).stat()
+        key = (st.st_dev, st.st_ino)
+        if key not in seen:
+            seen[key] = {CHECKSUM: blake3_file(vdir / rel), "bytes": st.st_size}
+        table[rel] = dict(seen[key])
+    return table
+
+
+def file_matches(path: Path, meta: Mapping[str, Any]) -> bool:
+    """A file against its manifest entry: blake3 (format 3) or sha256 (format 2)."""
+    if CHECKSUM in meta:
+        return blake3_file(path) == meta[CHECKSUM]
+    return sha256_file(path) == meta.get("sha256")
+
+
+def publish(
+    root: Path,
+    stage: Path,
+    manifest: dict[str, Any],
+    check: Callable[[Path], list[str]] | None = None,
+) -> Path:
+    """Start the disk on the staged files, checksum and check them, fsync them, move the
+    staged version into versions/, then point CURRENT at it. `check` gets the staged directory
+    once complete; any problem it names stops here."""
+    version_id = manifest["version"]
+    start_writeback_tree(stage)
+    # The checksums (blake3, which lets go of the GIL) are taken beside the check, which reads
+    # the manifest without its file table.
+    with ThreadPoolExecutor(1, thread_name_prefix="hclip-checksums") as pool:
+        table = pool.submit(file_table, stage)  # the manifest is not among the files
+        if check is not None:
+            (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+            problems = check(stage)
+            if problems:
+                first = "; ".join(problems[:3])
+                raise ArtifactError(
+                    f"version {version_id} failed its check before publishing: {first}"
+                )
+        manifest["files"] = table.result()
+    (stage / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    fsync_tree(stage)
+    final = version_dir(root, version_id)
+    final.parent.mkdir(exist_ok=True)
+    os.rename(stage, final)
+    fsync_path(final.parent)
+    write_current(root, version_id)
+    return final
+
+
+def write_current(root: Path, version_id: str) -> None:
+    tmp = root / f"{CURRENT}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(version_id + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, root / CURRENT)
+    fsync_path(root)
+
+
+def read_current(root: Path) -> str | None:
+    try:
+        text = (root / CURRENT).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return text or None
+
+
+def read_manifest(vdir: Path) -> dict[str, Any]:
+    try:
+        obj = json.loads((vdir / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{vdir}: no {MANIFEST}") from None
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(f"{vdir / MANIFEST}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("format_version"), int):
+        raise ArtifactError(f"{vdir / MANIFEST}: unknown artifact format")
+    if obj["format_version"] not in READS_FORMATS:
+        raise ArtifactError(
+            f"{vdir}: artifact format {obj['format_version']}, this hclip reads formats "
+            f"{', '.join(map(str, READS_FORMATS))}: rebuild it with `hclip index build`"
+        )
+    return obj
+
+
+def current_version_dir(root: Path) -> Path:
+    vid = read_current(root)
+    if vid is None:
+        raise ArtifactError(f"{root}: no published version (run `hclip index build` first)")
+    return version_dir(root, vid)
+
+
+def list_versions(root: Path) -> list[dict[str, Any]]:
+    current = read_current(root)
+    rows = []
+    vroot = root / VERSIONS
+    for vdir in sorted(vroot.iterdir()) if vroot.is_dir() else []:
+        try:
+            m = read_manifest(vdir)
+        except ArtifactError as exc:
+            rows.append({"version": vdir.name, "error": str(exc), "current": vdir.name == current})
+            continue
+        rows.append(
+            {
+                "version": vdir.name,
+                "created": m.get("created"),
+                "parent": m.get("parent"),
+                "records": m.get("counts", {}).get("records"),
+                "views": sorted(m.get("views", {})),
+                "current": vdir.name == current,
+            }
+        )
+    return rows
+
+
+def gc(root: Path, keep: int) -> list[str]:
+    """Keep the newest `keep` versions and the published one; remove the rest."""
+    if keep < 1:
+        raise ArtifactError("gc: --keep must be at least 1")
+    with root_lock(root):
+        clean_staging(root)
+        current = read_current(root)
+        vroot = root / VERSIONS
+        versions = sorted(p.name for p in vroot.iterdir()) if vroot.is_dir() else []
+        doomed = [v for v in versions[:-keep] if v != current]
+        for v in doomed:
+            # Rename first so that a crash mid-delete never leaves a half-version in versions/.
+            trash = root / STAGING / f"gc-{v}"
+            trash.parent.mkdir(exist_ok=True)
+            os.rename(version_dir(root, v), trash)
+            shutil.rmtree(trash)
+        return doomed

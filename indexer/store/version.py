@@ -1,0 +1,112 @@
+"""Reading a published version back for serving: the record store, the per-modality embeddings
+and one index per view, all memory-mapped where the index type allows it.
+
+Opening a version costs O(1) in its record count: the manifest is parsed, arrays' headers are
+read and their shapes checked against it, and everything else is mapped, not read. Pages come
+in as searches touch them; two versions open during a swap share the machine's page cache
+instead of holding two resident copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+
+from indexer.search.specs import IndexSpec, set_search_params
+from indexer.search.view import View
+from indexer.store import artifact
+from indexer.store.recordstore import RecordStore, RecordStoreError, id_hash_of
+from indexer.store.rows import StoredRows, embedding_path, factor_chunks
+from models.heads import build_head
+
+log = logging.getLogger(__name__)
+
+
+class LoadedVersion:
+    """One published version, opened read-only for serving."""
+
+    def __init__(self, vdir: Path, mmap: bool = True):
+        self.path = vdir
+        self.manifest = artifact.read_manifest(vdir)
+        self.version: str = self.manifest["version"]
+        self.names: list[str] = self.manifest["modalities"]
+        count = int(self.manifest["counts"]["records"])
+        try:
+            fields = self.manifest.get("filter_fields")
+            self.records = RecordStore(vdir, self.names, fields, id_hash_of(self.manifest))
+        except RecordStoreError as exc:
+            raise artifact.ArtifactError(str(exc)) from None
+        if len(self.records) != count:
+            raise artifact.ArtifactError(
+                f"{vdir}: the record store holds {len(self.records)} rows, the manifest {count}"
+            )
+        self.stored = StoredRows(
+            names=self.names,
+            embeddings={n: self._embeddings(n, count) for n in self.names},
+            presence=self.records.presence,
+        )
+        cfg = self.manifest["model"]["config"]
+        # Record factors are parameter-free for every head: no weights needed to recompute.
+        self.head = build_head(cfg["head"], self.names, cfg["latent_dim"])
+        self.views: dict[str, View] = {}
+        for name, entry in self.manifest["views"].items():
+            self.views[name] = self._open_view(name, entry, mmap)
+
+    def _embeddings(self, name: str, count: int) -> np.ndarray:
+        arr = np.load(embedding_path(self.path, name), mmap_mode="r")
+        d = int(self.manifest["d"])
+        if arr.shape != (count, d):
+            raise artifact.ArtifactError(
+                f"{self.path}: embeddings/{name}.npy has shape {arr.shape}, expected ({count}, {d})"
+            )
+        return arr
+
+    def _open_view(self, name: str, entry: dict[str, Any], mmap: bool) -> View:
+        spec = IndexSpec.from_dict(entry["spec"])
+        base = self.path / artifact.VIEWS
+        rows = np.load(base / f"{name}.rows.npy", mmap_mode="r")
+        dim, count = int(entry["dim"]), int(entry["count"])
+        view = View(name, tuple(entry["query"]), tuple(entry["target"]), spec, rows, dim)
+        if spec.exact:
+            # Copy-on-write keeps the map shareable and lets torch wrap it without a copy (it
+            # refuses read-only arrays); nothing ever writes to it.
+            view.vectors = np.load(base / f"{name}.npy", mmap_mode="c" if mmap else None)
+            held = view.vectors.shape
+        else:
+            view.index = faiss.read_index(str(base / f"{name}.faiss"))
+            set_search_params(view.index, spec)
+            view.max_norm = float(entry["augment"]["max_norm"])
+            view.width = int(entry["augment"]["width"])
+            view.exact_vectors = partial(self._record_factors, view)
+            held = (view.index.ntotal, dim)
+        if held != (count, dim) or len(rows) != count:
+            raise artifact.ArtifactError(
+                f"{self.path}: view {name}: holds {held}, rows file {len(rows)}, manifest "
+                f"({count}, {dim})"
+            )
+        return view
+
+    def _record_factors(self, view: View, positions: np.ndarray) -> np.ndarray:
+        """The exact vectors of a view's positions, from the stored embeddings."""
+        rows = np.asarray(view.rows)[positions]
+        chunks = factor_chunks(self.head, self.stored, rows, view.target, "record")
+        return np.concatenate([np.zeros((0, view.dim), np.float32), *chunks])
+
+    def mask_of(self, view: View, flt: dict[str, Any]) -> np.ndarray:
+        """(view count,) bool: the view's positions whose records pass the filter."""
+        return self.records.fields.evaluate(flt, len(self.records))[np.asarray(view.rows)]
+
+    @property
+    def fingerprint(self) -> str:
+        return str(self.manifest["model"]["fingerprint"])
+
+    def embeddings_of(self, row: int) -> dict[str, list[float]]:
+        return {
+            n: np.asarray(self.stored.embeddings[n][row]).tolist()
+            for n in self.records.modalities(row)
+        }

@@ -1,0 +1,52 @@
+"""Encoders g_i, one per input kind, each ending in a projection to the latent d and L2 norm,
+and each decoding its own raw inputs (docs/design.md §3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from models.config import ModalityConfig
+from models.encoders.audio import AudioEncoder
+from models.encoders.base import Encoder, Featurizer, stack
+from models.encoders.image import ImageEncoder
+from models.encoders.plugin import PluginEncoder
+from models.encoders.text import TextEncoder
+from models.encoders.vector import EmbeddingEncoder, VectorEncoder
+from models.limits import DEFAULT_LIMITS, InputError, InputLimits
+
+ENCODERS: dict[str, type[Encoder]] = {
+    "vector": VectorEncoder,
+    "embedding": EmbeddingEncoder,
+    "text": TextEncoder,
+    "image": ImageEncoder,
+    "audio": AudioEncoder,
+    "plugin": PluginEncoder,
+}
+
+__all__ = ["ENCODERS", "Encoder", "Featurizer", "build_encoder", "decode", "featurizer", "stack"]
+
+
+def build_encoder(cfg: ModalityConfig, latent_dim: int) -> Encoder:
+    return ENCODERS[cfg.kind](cfg, latent_dim)  # type: ignore[call-arg]
+
+
+def featurizer(cfg: ModalityConfig) -> Featurizer:
+    """The kind's frozen first stage alone (no trainable layers): for DataLoader workers."""
+    return ENCODERS[cfg.kind].featurizer_for(cfg)
+
+
+def decode(
+    value: Any,
+    cfg: ModalityConfig,
+    base_dir: Path | None = None,
+    limits: InputLimits = DEFAULT_LIMITS,
+) -> Any:
+    """Decode one raw input of a modality with its encoder's decoder; the result is what that
+    encoder's collate takes. Every failure is an InputError saying what is wrong with the value."""
+    if value is None:
+        raise InputError("value is null")
+    encoder = ENCODERS.get(cfg.kind)
+    if encoder is None:
+        raise InputError(f"unknown encoder kind {cfg.kind!r}")
+    return encoder.decode(value, cfg, base_dir, limits)

@@ -1,0 +1,59 @@
+"""`text`: frozen MiniLM sentence embeddings (models.encoders.minilm) followed by a trainable
+MLP head."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.config import ModalityConfig
+from models.encoders.base import Featurizer, ProjectedEncoder
+from models.encoders.minilm import BACKBONE_DIM, shared_backbone
+from models.limits import DEFAULT_LIMITS, InputError, InputLimits
+
+
+def decode_text(value: Any, limits: InputLimits = DEFAULT_LIMITS) -> str:
+    if not isinstance(value, str):
+        raise InputError(f"text must be a string, got {type(value).__name__}")
+    if len(value) > limits.max_text_chars:
+        raise InputError(
+            f"text is {len(value)} characters, over the limit of {limits.max_text_chars} "
+            "(max_text_chars)"
+        )
+    if not value.strip():
+        raise InputError("text is empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(
+            f"text is not valid Unicode (a lone surrogate at character {exc.start})"
+        ) from None
+    return value
+
+
+class TextFeatures:
+    """Sentences -> (B, 384) MiniLM embeddings, cached per sentence in each process."""
+
+    def __call__(self, items: list[Any]) -> torch.Tensor:
+        return shared_backbone().embed(list(items))  # (B, 384)
+
+
+class TextEncoder(ProjectedEncoder):
+    def __init__(self, cfg: ModalityConfig, latent_dim: int):
+        super().__init__(cfg, cfg.hidden, latent_dim)
+        self.featurizer = TextFeatures()
+        self.head = nn.Sequential(nn.Linear(BACKBONE_DIM, cfg.hidden), nn.GELU())
+
+    @staticmethod
+    def decode(value: Any, cfg: ModalityConfig, base_dir: Path | None, limits: InputLimits) -> Any:
+        return decode_text(value, limits)
+
+    @staticmethod
+    def featurizer_for(cfg: ModalityConfig) -> Featurizer:
+        return TextFeatures()
+
+    def features(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.head(batch)

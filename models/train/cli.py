@@ -1,0 +1,100 @@
+"""`hclip train --config CONFIG --out MODEL_DIR [--resume]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from models.checkpoint import CheckpointError, prepare_out_dir, save_model
+from models.config import ConfigError, RunConfig
+from models.plugins import PluginError, resolve_options
+from models.records import RecordError
+from models.train.checkpoints import CheckpointStore, default_checkpoint_dir
+from models.train.records_file import RecordsFile
+from models.train.trainer import train_model
+
+log = logging.getLogger(__name__)
+
+USER_ERRORS = (ConfigError, RecordError, CheckpointError, PluginError)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", required=True, type=Path, help="training config (JSON)")
+    p.add_argument("--out", required=True, type=Path, help="model directory to write")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the last checkpoint that train.checkpoint_every wrote",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        help="where checkpoints go (default: OUT.checkpoints beside --out; removed on success)",
+    )
+
+
+def _checkpoints(args: argparse.Namespace, every: int) -> CheckpointStore | None:
+    """The run's checkpoint store, after refusing to mix two runs' checkpoints."""
+    store = CheckpointStore(args.checkpoint_dir or default_checkpoint_dir(args.out))
+    if store.root.resolve().is_relative_to(args.out.resolve()):
+        raise CheckpointError(
+            f"--checkpoint-dir {store.root}: must lie outside --out, which receives only the "
+            "finished model"
+        )
+    if args.resume:
+        if store.latest() is None:
+            raise CheckpointError(f"--resume: no checkpoint in {store.root} to resume from")
+        return store
+    if store.latest() is not None:
+        if not args.overwrite:
+            raise CheckpointError(
+                f"{store.root}: holds checkpoints of an earlier run; pass --resume to continue "
+                "it or --overwrite to start afresh"
+            )
+        store.clear()
+    return store if every else None
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = RunConfig.load(args.config)
+    # Plugins are looked up and their options completed before any record is decoded with them.
+    cfg = replace(cfg, model=resolve_options(cfg.model))
+    prepare_out_dir(args.out, args.overwrite)  # fail before the expensive part
+    store = _checkpoints(args, cfg.train.checkpoint_every)
+    log.info("indexing training records in %s", cfg.records_path)
+    data = RecordsFile.scan(cfg.records_path, cfg.model)
+    log.info(
+        "%d training tuples, modalities %s, head %s", len(data), cfg.model.names, cfg.model.head
+    )
+    result = train_model(
+        cfg.model,
+        cfg.train,
+        data,
+        progress=not args.quiet,
+        checkpoints=store,
+        resume=args.resume,
+    )
+    extra = {"train": cfg.to_dict()["train"], "training": result.summary()}
+    out = save_model(result.model, args.out, extra=extra, overwrite=args.overwrite)
+    if store is not None:
+        store.clear()  # the model is safely in place: nothing is left to resume
+    print(f"model written to {out}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hclip train", description=__doc__)
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return run(args)
+    except USER_ERRORS as exc:
+        print(f"hclip train: error: {exc}", file=sys.stderr)
+        return 2
