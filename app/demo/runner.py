@@ -3,9 +3,10 @@
 Each head's models form a chain (its interaction model starts from its shared model's encoders)
 and the two chains are independent, so they run at once on two cores or more. The processes
 are spawned, not forked: the parent has loaded torch, and a fork would inherit its thread
-pools' state. A worker trains and evaluates every stage of its head and sends back the held-out results; on
-the way it reports the steps it has done, which the parent turns into one bar. Each worker has
-its own pipe (a multiprocessing Queue would leave a semaphore behind at exit).
+pools' state. A worker trains and evaluates every stage of its head and sends back the
+held-out results; on the way it reports the steps it has done, which the parent turns into one
+bar. Each worker has its own pipe (a multiprocessing Queue would leave a semaphore behind at
+exit).
 """
 
 from __future__ import annotations
