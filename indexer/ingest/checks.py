@@ -72,7 +72,8 @@ class ChunkChecker:
         self.referred = 0  # records the fast checks handed to the reference (for tests, logs)
         self.vector_lines: VectorLines | None = None
         if all(self.cfgs[n].kind in ARRAY_KINDS for n in self.names) and VectorLines.available():
-            self.vector_lines = VectorLines(self.names)
+            dims = {n: self.cfgs[n].dim for n in self.names}
+            self.vector_lines = VectorLines({n: d for n, d in dims.items() if d is not None})
 
     def check(self, chunk: Chunk) -> Checked:
         if chunk.lines is None:
@@ -136,8 +137,6 @@ class ChunkChecker:
     def _check_vector_lines(self, chunk: Chunk) -> Checked | None:
         """Records of vector modalities only, without a Python float per number
         (indexer.ingest.jsonl_vectors); None when that path cannot take the chunk."""
-        import pyarrow as pa
-
         assert chunk.lines is not None and self.vector_lines is not None
         parsed = self.vector_lines.parse(chunk.lines)
         if parsed is None:
@@ -165,9 +164,14 @@ class ChunkChecker:
         inputs: dict[str, Any] = {}
         presence = np.zeros((n, len(self.names)), dtype=bool)
         for j, name in enumerate(self.names):
-            inputs[name], presence[:, j] = self._array_from_arrow(
-                name, parsed.columns[name], suspect, pa
-            )
+            values, present = parsed.vectors[name], parsed.present[name] & ~suspect
+            idx = np.flatnonzero(present)
+            ok = self._array_rows_ok(name, values[idx])
+            suspect[idx[~ok]] = True
+            present[idx[~ok]] = False
+            out = np.zeros((n, values.shape[1]), dtype=np.float32)
+            out[present] = values[present]
+            inputs[name], presence[:, j] = out, present
         return self._finish_chunk(chunk, ids, payloads, presence, inputs, suspect)
 
     def _fields_ok(self, payload: dict[str, Any]) -> bool:
