@@ -21,8 +21,9 @@ from app.api.fastpath import SearchFastPath, is_fast_path
 from app.api.http import ApiRoute, JSONResponse
 from app.api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
 from app.core.metrics import Metrics
-from app.core.settings import Settings, get_settings
+from app.core.settings import Settings, get_settings, machine_cores
 from app.services.cache import make_cache
+from app.services.idle_cores import SearchLoad
 from app.services.search import SearchService
 from app.services.state import AppState
 from app.services.threads import WorkerPools
@@ -55,9 +56,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # OpenMP counts are per thread: the worker pools set theirs in their own threads; this
-        # covers the event loop's thread, where vector encoders and searches on the loop run.
-        torch.set_num_threads(settings.encode_threads)
+        # OpenMP counts are per thread: the worker pools set theirs in their own threads. The
+        # event loop's thread runs small work (vector encoders, lone searches on the loop), for
+        # which waking another thread under the passive wait policy costs more than it saves.
+        torch.set_num_threads(1)
         faiss.omp_set_num_threads(settings.search_threads)
         # numpy's OpenBLAS keeps a pool of one thread per core, process-wide: held to a share.
         threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")
@@ -69,8 +71,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             retry_s=settings.redis_retry_s,
             metrics=metrics,
         )
-        versions = VersionManager(settings, metrics, pools)
-        service = SearchService(settings, metrics, cache)
+        load = SearchLoad(machine_cores())
+        versions = VersionManager(settings, metrics, pools, load)
+        service = SearchService(settings, metrics, cache, load)
         app.state.hclip = AppState(settings, metrics, cache, versions, pools, service)
         log.info("index root %s, cache %s", settings.root, cache.backend)
         poller = asyncio.create_task(versions.poll_forever())  # its first pass loads CURRENT

@@ -3,8 +3,8 @@ single-query and batched speed, bytes per record, build time) and its pick, at 1
 records, on the products of a trained and of an untrained model. Prints figures; it is not a
 test (this machine is shared and noisy: compare the ratios of one run, measured side by side).
 
-    python scripts/bench_ann.py                                   # 100k and 1M, both models
-    python scripts/bench_ann.py --records 100000 --out docs/ann   # the quick run, written out
+    python benchmarks/bench_ann.py                                   # 100k and 1M, both models
+    python benchmarks/bench_ann.py --records 100000 --out docs/ann   # the quick run, written out
 
 The data: the expressivity benchmark's pure-interaction task (models/bench_expressivity.py:
 K = 32 symbols, a and b uniform, c = (a + b) mod K, each modality a 16-d codebook row plus
@@ -14,7 +14,7 @@ structure for an index to exploit). Records are fresh tuples; the view queries w
 stores the Hadamard products b * c (not unit length); its queries are omega * a of sampled
 records, as `hclip index build --spec auto` forms them.
 
-Each (model, size) runs indexer.views.build_view with an `auto` spec, the code path of a
+Each (model, size) runs indexer.build.views.build_view with an `auto` spec, the code path of a
 build: the flat vectors are written, the tuner measures every candidate family on one FAISS
 thread (see indexer/tune.py), picks, and writes the index. `--explore-to` makes each sweep
 continue past the target so the frontier shows more of each curve.
@@ -223,7 +223,7 @@ def main() -> None:
         )
         header = (
             "# Approximate search on H-CLIP products\n\n"
-            f"`python scripts/bench_ann.py --records {' '.join(map(str, args.records))} "
+            f"`python benchmarks/bench_ann.py --records {' '.join(map(str, args.records))} "
             f"--out {args.out}` on {info['cpu']} ({info['cores']} cores, shared; load average "
             f"{start[0]:.1f} at start, {end[0]:.1f} at end), {info['total_s'] / 60:.0f} min in "
             "all. One FAISS thread; speeds are ratios to flat search measured in the same run.\n\n"

@@ -1,11 +1,11 @@
 """Index build benchmark: the engines against the bare encoders, and peak memory of every
 process. Prints figures; it is not a test (this machine is shared and noisy).
 
-    python scripts/bench_indexer.py                       # 1M records, all four runs
-    python scripts/bench_indexer.py --records 100000      # a quicker look
-    python scripts/bench_indexer.py --runs local-jsonl ray-2
-    python scripts/bench_indexer.py --sweep               # peak RSS by record count and batch
-    python scripts/bench_indexer.py --repo ../before --runs local-parquet local-jsonl
+    python benchmarks/bench_indexer.py                       # 1M records, all four runs
+    python benchmarks/bench_indexer.py --records 100000      # a quicker look
+    python benchmarks/bench_indexer.py --runs local-jsonl ray-2
+    python benchmarks/bench_indexer.py --sweep               # peak RSS by record count and batch
+    python benchmarks/bench_indexer.py --repo ../before --runs local-parquet local-jsonl
 
 Records have three 16-d `vector` modalities (a, b, c) and a small payload (as in
 bench_scale.py); the model is an untrained H-CLIP with d = 64, so encoding is as cheap as it

@@ -1,8 +1,8 @@
 """Serving at scale: build an index of N records, serve it, and print what serving costs.
 Prints figures; it is not a test (this machine is shared and noisy).
 
-    python scripts/bench_scale.py --records 1000000 [--views all|one] [--searches 10000]
-    python scripts/bench_scale.py --records 1000000 --repo /path/to/another/checkout
+    python benchmarks/bench_scale.py --records 1000000 [--views all|one] [--searches 10000]
+    python benchmarks/bench_scale.py --records 1000000 --repo /path/to/another/checkout
 
 Records have three 16-d `vector` modalities (a, b, c) and a small payload; the model is an
 untrained H-CLIP with d = 64. For each run it prints: the build's time and peak RSS, the

@@ -9,7 +9,7 @@ cache and the workers fill up), then times `--steps` steps. Meanwhile this proce
 summed PSS of all of them (PSS splits pages that forked workers share, so the sum is honest).
 `ru_maxrss` from os.wait4 is printed beside it.
 
-    python scripts/bench_training.py [--sizes 10000,100000] [--workers 0,2] [--steps 40]
+    python benchmarks/bench_training.py [--sizes 10000,100000] [--workers 0,2] [--steps 40]
 
 Figures on a shared machine are noisy; memory figures are not.
 """

@@ -80,8 +80,12 @@ class Settings(BaseSettings):
 
     batch_max: int = Field(64, ge=1, description="queries gathered into one FAISS call")
     batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")
-    faiss_threads: int | None = Field(
-        None, ge=1, description="threads per search (default: the cores over the workers)"
+    faiss_threads: int = Field(
+        1,
+        ge=1,
+        description="FAISS's OpenMP threads per search: waking them under the passive wait "
+        "policy a server runs with costs a lone query more than they save; a lone exact query "
+        "spreads over idle cores by itself (app.services.idle_cores)",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="threads per encode (default: the cores over the workers)"
@@ -96,8 +100,6 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _threads_from_cores(self) -> Settings:
         share = max(1, machine_cores() // self.workers)  # each worker's share of the cores
-        if self.faiss_threads is None:
-            self.faiss_threads = share
         if self.torch_threads is None:
             self.torch_threads = share
         return self
@@ -108,7 +110,7 @@ class Settings(BaseSettings):
 
     @property
     def search_threads(self) -> int:
-        return self.faiss_threads or 1
+        return self.faiss_threads
 
     @property
     def encode_threads(self) -> int:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from types import FrameType
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -85,13 +86,16 @@ def exit_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def serve_one(host: str, port: int, parent: int) -> None:
-    """A worker process: its own listening socket, the app from HCLIP_* variables."""
+def serve_one(host: str, port: int, parent: int, load: Any, slot: int) -> None:
+    """A worker process: its own listening socket, the app from HCLIP_* variables, its
+    searches counted in slot `slot` of the workers' shared `load` (app.services.idle_cores)."""
     import uvicorn
 
     from app.core.logs import configure_logging
+    from app.services import idle_cores
 
     exit_with(parent)
+    idle_cores.attach(load, slot)
     # A fresh interpreter: without this it would log none of the app's own lines (version
     # loads and rejections, the kernel router's table).
     configure_logging()
@@ -124,6 +128,9 @@ def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> N
     port = held.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     stopping = threading.Event()
+    from app.services.idle_cores import make_shared
+
+    load = make_shared(workers)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         stopping.set()
@@ -132,7 +139,9 @@ def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> N
 
     def start(slot: int) -> BaseProcess:
         process = ctx.Process(
-            target=serve_one, args=(host, port, os.getpid()), name=f"hclip-worker-{slot}"
+            target=serve_one,
+            args=(host, port, os.getpid(), load, slot),
+            name=f"hclip-worker-{slot}",
         )
         process.start()
         log.info("worker %d started (pid %s)", slot, process.pid)

@@ -175,12 +175,16 @@ def search_batcher(
     max_pending: int = 1024,
     mask_of: Callable[[View, dict[str, Any]], np.ndarray] | None = None,
     on_loop: bool = False,
+    parts_for: Callable[[], int] = lambda: 1,
+    alone: Callable[[], bool] = lambda: False,
 ) -> MicroBatcher[SearchItem, SearchResult]:
     """A batch's query factors come from the head in one call; its plain queries go to the
     view together, a query with a filter or its own effort on its own, its filter evaluated
     here, where the batch runs (a pass over the field columns): on the search thread, or on the
     event loop when `on_loop` (a worker with about a core of its own, where a hop to a thread
-    only costs)."""
+    only costs). A lone query scans on `parts_for()` threads (app.services.idle_cores), and
+    when it is `alone()` in the process it runs on the event loop too, which has nothing else
+    to do: a hop to a thread and back wakes a core, which costs a lone query most on a VM."""
 
     def run(items: list[SearchItem]) -> list[SearchResult | Exception]:
         xq = query_factors(head, view, items)  # (B, D)
@@ -195,7 +199,8 @@ def search_batcher(
         plain = [i for i in plain if finite[i]]
         if plain:
             k_max = max(items[i].k for i in plain)
-            scores, rows = view.search(xq[plain], k_max)
+            parts = parts_for() if len(plain) == 1 else 1
+            scores, rows = view.search(xq[plain], k_max, parts=parts)
             for j, i in enumerate(plain):
                 out[i] = (scores[j, : items[i].k], rows[j, : items[i].k])
         for i, it in enumerate(items):
@@ -209,9 +214,13 @@ def search_batcher(
             out[i] = (scores[0], rows[0])
         return out
 
+    def inline(items: list[SearchItem]) -> bool:
+        it = items[0]
+        return on_loop or (len(items) == 1 and it.filter is None and it.effort is None and alone())
+
     return MicroBatcher(
         run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}",
-        inline_if=(lambda items: True) if on_loop else None,
+        inline_if=inline,
     )  # fmt: skip
 
 

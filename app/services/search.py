@@ -40,6 +40,7 @@ from app.core.metrics import Metrics
 from app.core.settings import Settings
 from app.services.batching import SearchItem
 from app.services.cache import Cache
+from app.services.idle_cores import SearchLoad
 from app.services.versions import ServingVersion
 from indexer.store.fields import FilterError
 from models.encoders import decode
@@ -107,16 +108,18 @@ class Checked:
 
 
 class SearchService:
-    def __init__(self, settings: Settings, metrics: Metrics, cache: Cache):
+    def __init__(self, settings: Settings, metrics: Metrics, cache: Cache, load: SearchLoad):
         self.settings = settings
         self.metrics = metrics
         self.cache = cache
+        self.load = load  # searches in flight on this machine (app.services.idle_cores)
         self.limits: InputLimits = settings.input_limits()
 
     # -- check --------------------------------------------------------------------------------
 
-    def check(self, serving: ServingVersion, body: SearchRequest) -> Checked:
-        """Everything about a request that can be refused before any work is queued."""
+    def check_numbers(self, body: SearchRequest) -> int:
+        """The request's integers, before anything uses them (the cache key among others);
+        returns k."""
         s = self.settings
         k = s.default_k if body.k is None else body.k
         if not 1 <= k <= s.max_k:
@@ -125,6 +128,11 @@ class SearchService:
             raise InvalidInput(
                 f"effort: at most {s.max_effort} (HCLIP_MAX_EFFORT), got {body.effort}"
             )
+        return k
+
+    def check(self, serving: ServingVersion, body: SearchRequest) -> Checked:
+        """Everything about a request that can be refused before any work is queued."""
+        k = self.check_numbers(body)
         view_name = "+".join(self._modalities(serving, list(body.query), list(body.embeddings)))
         view = serving.index.views.get(view_name)
         if view is None:
@@ -198,26 +206,35 @@ class SearchService:
     async def search(
         self, serving: ServingVersion, body: SearchRequest, checked: Checked | None = None
     ) -> bytes:
-        """One search, answered as the response body's bytes (errors raise ApiError)."""
-        c = checked or self.check(serving, body)
+        """One search, answered as the response body's bytes (errors raise ApiError).
+
+        The result cache is looked up once the integers are checked, before the rest: an entry
+        exists only for a request that passed every check when it was cached (same version,
+        same settings), and its key holds everything the answer depends on, so a hit needs
+        no more (replicas that share a Redis are meant to share their settings)."""
         s = self.settings
-        # Each raw input is hashed once: its digest keys both caches. The key holds everything
-        # the answer depends on (replicas that share a Redis are meant to share settings).
+        k = checked.k if checked is not None else self.check_numbers(body)
+        # Each raw input is hashed once: its digest keys both caches.
         digests = {m: await input_digest(v) for m, v in body.query.items()}
-        request = {"q": digests, "e": body.embeddings, "k": c.k, "f": c.filter, "x": c.effort}
+        request = {"q": digests, "e": body.embeddings, "k": k, "f": body.filter_dict(),
+                   "x": body.effort}  # fmt: skip
         key = f"{s.cache_prefix}:res:{serving.version}:{digest(request)}"
         hit = await self.cache.get(key)
         if hit is not None:
             self.metrics.result_hits.inc()
             return b'{"cached":true,' + hit[1:]
+        c = checked or self.check(serving, body)
         self.metrics.result_misses.inc()
-        async with self.deadline():
-            embs = await self._embeddings(serving, body, c, digests)
-            item = SearchItem(embs, c.k, c.filter, c.effort, c.field)
-            try:
+        self.load.begin()
+        try:
+            async with self.deadline():
+                embs = await self._embeddings(serving, body, c, digests)
+                item = SearchItem(embs, c.k, c.filter, c.effort, c.field)
                 scores, rows = await serving.searchers[c.view].submit(item)
-            except InputError as exc:  # the query factor overflowed
-                raise InvalidInput(str(exc)) from None
+        except InputError as exc:  # the query factor overflowed
+            raise InvalidInput(str(exc)) from None
+        finally:
+            self.load.end()
         encoded = self._format(serving, c, scores, rows)
         await self.cache.set(key, encoded, s.cache_ttl_s)
         # The cached form lacks the `cached` flag: it is spliced in as the first key, so neither

@@ -16,9 +16,9 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _search_thread(threads: int) -> None:
-    faiss.omp_set_num_threads(threads)
-    torch.set_num_threads(threads)  # batches are torch matrix products (indexer.search.exact)
+def _search_thread(faiss_threads: int, torch_threads: int) -> None:
+    faiss.omp_set_num_threads(faiss_threads)
+    torch.set_num_threads(torch_threads)  # batches are torch matrix products
 
 
 def _torch_thread(threads: int) -> None:
@@ -29,7 +29,10 @@ class WorkerPools:
     def __init__(self, search_threads: int, torch_threads: int):
         self.torch_threads = torch_threads
         self.search = ThreadPoolExecutor(
-            1, thread_name_prefix="search", initializer=_search_thread, initargs=(search_threads,)
+            1,
+            thread_name_prefix="search",
+            initializer=_search_thread,
+            initargs=(search_threads, torch_threads),
         )
         self._encoders: dict[str, ThreadPoolExecutor] = {}
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from app.core.errors import VersionRejected
 from app.core.metrics import Metrics
-from app.core.settings import Settings
+from app.core.settings import Settings, machine_cores
 from app.services.batching import (
     MicroBatcher,
     SearchItem,
@@ -26,6 +26,7 @@ from app.services.batching import (
     encode_batcher,
     search_batcher,
 )
+from app.services.idle_cores import SearchLoad
 from app.services.threads import WorkerPools
 from indexer.store import artifact
 from indexer.store.verify import verify_contents, verify_files
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 
 def open_checked(vdir: Path, level: str) -> LoadedVersion:
-    """Open a version for serving after the checks `level` asks for (see indexer.verify):
+    """Open a version for serving after the checks `level` asks for (see indexer.store.verify):
     "quick" costs the same whatever the record count, "full" reads and recomputes it all."""
     version_id = vdir.name
     problems = verify_files(vdir, full=level == "full") if level != "off" else []
@@ -84,7 +85,13 @@ class VersionManager:
     """Loads the version CURRENT names and swaps it in; retries a rejected one with backoff,
     since what failed may be transient (a model volume not mounted yet, a disk hiccup)."""
 
-    def __init__(self, settings: Settings, metrics: Metrics, pools: WorkerPools):
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: Metrics,
+        pools: WorkerPools,
+        load: SearchLoad | None = None,
+    ):
         self.settings = settings
         self.root = Path(settings.root)
         self.metrics = metrics
@@ -94,6 +101,7 @@ class VersionManager:
         self._models: dict[str, MultimodalModel] = {}
         self._lock = asyncio.Lock()
         self._search_on_loop = settings.searches_on_loop()
+        self.load = load or SearchLoad(machine_cores())
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers."""
@@ -130,7 +138,7 @@ class VersionManager:
             serving.searchers[name] = search_batcher(
                 view, model.head, self.pools.search, s.batch_max, wait_s,
                 self.metrics.batch_size.observe, s.max_pending, index.mask_of,
-                self._search_on_loop,
+                self._search_on_loop, self.load.lone_parts, self.load.alone,
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:

@@ -49,7 +49,7 @@ class JobOptions:
     progress: bool = True
     check: bool = True  # the full verification of the staged version before it is published
     filter_fields: tuple[str, ...] | None = None  # None: none at build, the old ones at update
-    engine: str = "local"  # or "ray" (indexer.ray_engine)
+    engine: str = "local"  # or "ray" (indexer.build.ray_engine)
     ray_address: str | None = None  # None: a local Ray started and stopped by the job
     workers: int | None = None  # Ray encoding actors; None: one per CPU that Ray offers
     chunk_rows: int = CHUNK_ROWS  # records checked at once (local), per block and shard (Ray)
@@ -120,7 +120,7 @@ def _build_views(
 
 
 def _views_writer(stage: Path, model: MultimodalModel, opts: JobOptions) -> FlatViewsWriter | None:
-    """Exact views are written with the rows (indexer.views.FlatViewsWriter); the others are
+    """Exact views are written with the rows (indexer.build.views.FlatViewsWriter); the others are
     built from the stored embeddings once every row is in."""
     if not opts.spec.exact or opts.spec.tuned:
         return None
@@ -167,7 +167,7 @@ def _finish(
         "model": model_block,
         "modalities": model.names,
         "d": model.cfg.latent_dim,
-        "id_hash": ID_HASH_KIND,  # indexer.recordstore: the store's id hash
+        "id_hash": ID_HASH_KIND,  # indexer.store.recordstore: the store's id hash
         "counts": {
             "records": stored.count,
             "by_modality": {n: int(stored.present(n).sum()) for n in model.names},

@@ -9,7 +9,7 @@ a local Ray or a cluster; the driver assembles the version in input order.
                              one shard (Arrow IPC: locations, ids, payloads, presence, one
                              embedding column per modality) into the staged version
     assemble (driver)        shards sorted by their first location, admitted in order
-                             (indexer.ordering: duplicate ids across shards, the first bad
+                             (indexer.ingest.admission: duplicate ids across shards, the first bad
                              record) and appended to the version's files, then removed
 
 The driver never holds more than one shard. Shards live inside the staged version, so a killed
@@ -450,7 +450,7 @@ CLIENT_RETRY_S = 2.0
 
 def connect(address: str, kwargs: dict[str, Any]) -> None:
     """ray.init on an existing cluster, once its address is known to answer
-    (indexer.ray_address). Through Ray Client (`ray://`), the cluster starts a server process
+    (indexer.build.ray_address). Through Ray Client (`ray://`), the cluster starts a server process
     for each client, and that start fails now and then on its side: the process dies while it
     is forked (ray-project/ray#63202), and the client is told "Initialization failure from
     server" (ConnectionAbortedError). The next start usually works (seen in this project's

@@ -5,11 +5,11 @@ version, re-using the stored embeddings (nothing is re-encoded).
                      [--min-speedup X] [--families hnsw,ivf,ivfip,ivfpq,ivfsq]
                      [--timing-seconds S] [--model MODEL_DIR] [--plot DIR]
 
-The new version is the current one with the tuned views rebuilt (indexer.views.build_view
+The new version is the current one with the tuned views rebuilt (indexer.build.views.build_view
 with an `auto` spec, so the tuner of indexer.tune picks each one's index) and every other file
 hard-linked from the current version (files of a published version are never modified, so a
 link is as good as a copy; a copy is made where links are not possible). It is staged, fully
-verified and published like a build (indexer.artifact), under the root's writer lock.
+verified and published like a build (indexer.store.artifact), under the root's writer lock.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 class RowWriter:
     """Appends rows to the record store, one (rows, d) float32 .npy per modality and, when
-    given, the exact views (indexer.views.FlatViewsWriter).
+    given, the exact views (indexer.build.views.FlatViewsWriter).
 
     A record lacking a modality gets a zero row there; the store's presence flags say which
     rows are real. Writing runs on a thread of its own, a few batches behind the caller, so
@@ -71,7 +71,7 @@ class RowWriter:
     def write_later(self, make: Callable[[], Batch | None]) -> None:
         """`make()` runs on the writer thread, in turn: the batch it returns is written (None:
         nothing to write). For work that must happen in row order but need not hold up the
-        caller, such as admitting a chunk's ids (indexer.local_engine)."""
+        caller, such as admitting a chunk's ids (indexer.build.local)."""
         self._raise_error()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="hclip-writer", daemon=True)

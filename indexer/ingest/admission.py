@@ -4,7 +4,7 @@ first bad record.
 Both engines check chunks out of order (a reader thread, Ray workers) but admit them here in
 input order, so that "duplicate id, first seen on line N" names the first valid occurrence and
 a run without --skip-bad stops at the first bad line, exactly as the one-by-one Validator does.
-A record rejected after its id was read (indexer.columnar.FINISH) is reported as a duplicate
+A record rejected after its id was read (indexer.ingest.checks.FINISH) is reported as a duplicate
 when its id was already taken, as the Validator checks the id first.
 """
 

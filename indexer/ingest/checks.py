@@ -1,14 +1,14 @@
 """Checking records a chunk at a time: columnar fast checks, and the reference for the rest.
 
-A chunk (indexer.sources.Chunk) is parsed once (orjson per JSON line; Parquet columns stay
-Arrow arrays) and checked column by column with numpy: vector lengths, finiteness, bounds and
-types at once for the whole chunk. A record that any fast check does not clear, for whatever
-reason, is handed to the reference Validator (indexer.encode), which either accepts it or names
-its mistake exactly as it always has. So the fast checks only decide which records need a
-closer look: a too-strict fast check costs time, never a different answer.
+A chunk (indexer.ingest.sources.Chunk) is parsed once (orjson per JSON line; Parquet columns
+stay Arrow arrays) and checked column by column with numpy: vector lengths, finiteness, bounds
+and types at once for the whole chunk. A record that any fast check does not clear, for
+whatever reason, is handed to the reference Validator (indexer.ingest.validate), which either
+accepts it or names its mistake exactly as it always has. So the fast checks only decide which
+records need a closer look: a too-strict fast check costs time, never a different answer.
 
 Duplicate ids are not checked here: that needs every earlier record, in order, which the
-caller has (indexer.ordering); each reject says whether the Validator stopped before the
+caller has (indexer.ingest.admission); each reject says whether the Validator stopped before the
 duplicate check (`parse`) or after (`finish`), so that the caller names it as the Validator
 would have.
 """

@@ -4,7 +4,7 @@ Two ways to read them:
 - per record (`iter_records`): (line or row number, raw record), the reference path the
   Validator checks one by one;
 - in chunks (`RecordFiles.chunks`): (locations, raw lines) for JSON Lines and (locations, an
-  Arrow record batch) for Parquet, for the columnar checks of indexer.columnar. Parquet is read
+  Arrow record batch) for Parquet, for the columnar checks of indexer.ingest.checks. Parquet is read
   by pyarrow straight into Arrow arrays: vector columns never become Python objects.
 
 A location names a record's file and its line (JSON Lines; blank lines count) or 1-based row

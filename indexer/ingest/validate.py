@@ -79,8 +79,8 @@ class Validator:
     """Checks records one by one against the model: the reference for every message.
 
     A check runs in two stages, so that a duplicate id can be told apart from other mistakes
-    by whoever sees the records in order (indexer.ordering): `parse` (is it a JSON object with a
-    string id?) and `finish` (payload, filter fields, modalities), with the duplicate check
+    by whoever sees the records in order (indexer.ingest.admission): `parse` (is it a JSON object
+    with a string id?) and `finish` (payload, filter fields, modalities), with the duplicate check
     between them. `check` runs all three itself, for callers that see every record in order.
     """
 
@@ -156,7 +156,7 @@ class Rows:
     modalities (zero rows where absent) and a list of decoded inputs (None where absent) for
     the others; `presence` (n, m) says which are real."""
 
-    locs: np.ndarray  # (n,) int64: indexer.sources locations
+    locs: np.ndarray  # (n,) int64: indexer.ingest.sources locations
     ids: list[str]
     payloads: list[bytes]
     presence: np.ndarray  # (n, m) bool, the model's modality order

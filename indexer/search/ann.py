@@ -1,7 +1,7 @@
-"""Searching an approximate index: the one path the server (indexer.reader.View) and the tuner
+"""Searching an approximate index: the one path the server (indexer.search.view.View) and the tuner
 (indexer.tune) both take, so that what the tuner measures is what the server runs.
 
-An approximate index holds norm-augmented vectors (indexer.mips), or for `ivfip` the raw
+An approximate index holds norm-augmented vectors (indexer.search.mips), or for `ivfip` the raw
 products under inner product. HNSW and IVF-Flat hold them exactly, so their distances give
 exact inner products back. Compressed codes (IVF-PQ,
 IVF-SQ) do not: their best `k * rerank` candidates are re-scored from exact vectors, which the

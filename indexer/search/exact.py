@@ -7,6 +7,11 @@ small, since one pass over memory then serves every query of the batch. FAISS's 
 path runs the BLAS bundled with its wheel, which some CPUs get only generic kernels of;
 torch's dispatches on the CPU it finds.
 
+A lone query on an otherwise idle machine is bound by one core's memory bandwidth: `parts`
+scans slices of the rows on that many threads at once (FAISS lets go of the GIL) and merges
+their top-k. FAISS's own OpenMP threads do the same, but waking them under the passive wait
+policy a server needs costs more than they save (docs/benchmarks/serving.md).
+
 Both return (scores, positions), (nq, k), best first, k <= N. Under ties they may pick
 different positions of equal score; every returned score is the exact inner product of its
 position (within float rounding).
@@ -14,10 +19,15 @@ position (within float rounding).
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import faiss
 import numpy as np
 import torch
 
+MIN_PART_ROWS = 8192  # a slice smaller than this costs a thread more than it saves
 BLOCK_ROWS = 16384  # scores of a block stay small: (B, 16384) float32 is 4 MB at B = 64
 SUBSET_FRACTION = 0.25  # below this share of allowed rows, copy them out and search the copy
 
@@ -27,6 +37,38 @@ def scan(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
     far larger than the service forms)."""
     scores, pos = faiss.knn(xq, xb, k, metric=faiss.METRIC_INNER_PRODUCT)
     return scores, pos
+
+
+_helpers: ThreadPoolExecutor | None = None
+_helpers_lock = threading.Lock()
+
+
+def _helper_pool() -> ThreadPoolExecutor:
+    global _helpers
+    with _helpers_lock:
+        if _helpers is None:
+            _helpers = ThreadPoolExecutor(
+                max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="scan-part",
+                initializer=faiss.omp_set_num_threads, initargs=(1,),
+            )  # fmt: skip
+        return _helpers
+
+
+def split_scan(xq: np.ndarray, xb: np.ndarray, k: int, parts: int) -> tuple[np.ndarray, np.ndarray]:
+    """scan() over `parts` slices of the rows at once, the first on the calling thread."""
+    parts = min(parts, xb.shape[0] // MIN_PART_ROWS)
+    if parts < 2:
+        return scan(xq, xb, k)
+    bounds = np.linspace(0, xb.shape[0], parts + 1).astype(int)
+    slices = list(zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True))
+    pool = _helper_pool()
+    futures = [pool.submit(scan, xq, xb[a:b], min(k, b - a)) for a, b in slices[1:]]
+    a, b = slices[0]
+    found = [scan(xq, xb[a:b], min(k, b - a))] + [f.result() for f in futures]
+    scores = np.concatenate([s for s, _ in found], 1)
+    pos = np.concatenate([i + start for (_, i), (start, _) in zip(found, slices, strict=True)], 1)
+    keep = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, keep, 1), np.take_along_axis(pos, keep, 1)
 
 
 def product_topk(
@@ -60,13 +102,16 @@ def _empty(nq: int) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros((nq, 0), np.float32), np.zeros((nq, 0), np.int64)
 
 
-def search(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(scores, positions), (nq, min(k, N)); empty when N or k is 0."""
+def search(xq: np.ndarray, xb: np.ndarray, k: int, parts: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """(scores, positions), (nq, min(k, N)); empty when N or k is 0. `parts`: the threads a
+    lone query may scan on."""
     k = min(k, xb.shape[0])
     if k == 0 or len(xq) == 0:
         return _empty(len(xq))
     xq = np.ascontiguousarray(xq, dtype=np.float32)
-    return scan(xq, xb, k) if len(xq) == 1 else product_topk(xq, xb, k)
+    if len(xq) > 1:
+        return product_topk(xq, xb, k)
+    return split_scan(xq, xb, k, parts) if parts > 1 else scan(xq, xb, k)
 
 
 def search_allowed(

@@ -7,8 +7,8 @@ for cosine lose recall on them. Approximate indexes therefore store [x ; sqrt(M^
 |q' - x'|^2 = |q|^2 + M^2 - 2 <q, x>, so the L2 nearest neighbour is the largest inner product,
 and the score is recovered exactly as (|q|^2 + M^2 - dist) / 2.
 
-One kind measured to do better without it, `ivfip` (indexer.specs), indexes the raw products
-under inner product instead; indexer.ann.stored_form says which form an index holds.
+One kind measured to do better without it, `ivfip` (indexer.search.specs), indexes the raw products
+under inner product instead; indexer.search.ann.stored_form says which form an index holds.
 """
 
 from __future__ import annotations

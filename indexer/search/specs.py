@@ -1,5 +1,5 @@
 """Index specs (`--spec`) and the FAISS indexes they describe. Approximate indexes work on the
-norm-augmented vectors of indexer.mips.
+norm-augmented vectors of indexer.search.mips.
 
 Spec strings: `flat` | `hnsw[:M=32,ef_construction=200,ef_search=128]` |
 `ivf[:nlist=1024,nprobe=32]` | `ivfpq[:nlist=1024,m=16,nbits=8,nprobe=32,rerank=10]` |
@@ -33,7 +33,7 @@ DEFAULTS: dict[str, dict[str, int]] = {
     "hnsw": {"M": 32, "ef_construction": 200, "ef_search": 128},
     "ivf": {"nlist": 0, "nprobe": 32},  # nlist 0: about 4 sqrt(N), chosen at build time
     # rerank R: the k * R best by PQ distance are re-scored exactly, from vectors recomputed
-    # from the stored embeddings (indexer.ann); 0 (specs written before it existed) returns
+    # from the stored embeddings (indexer.search.ann); 0 (specs written before it existed) returns
     # PQ's approximate scores. nbits 4 is FAISS's fast-scan layout.
     "ivfpq": {"nlist": 0, "m": 16, "nbits": 8, "nprobe": 32, "rerank": 10},
     # 8-bit scalar codes (one byte per dimension), re-ranked like ivfpq

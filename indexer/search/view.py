@@ -19,8 +19,8 @@ EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are
 @dataclass
 class View:
     """One view: its rows and either its vectors (flat: exact search, indexer.search.exact)
-    or an approximate FAISS index over the norm-augmented vectors (indexer.mips), searched by
-    indexer.ann (compressed codes re-ranked from exact vectors recomputed here)."""
+    or an approximate FAISS index over the norm-augmented vectors (indexer.search.mips), searched by
+    indexer.search.ann (compressed codes re-ranked from exact vectors recomputed here)."""
 
     name: str
     query: tuple[str, ...]
@@ -54,15 +54,17 @@ class View:
         k: int,
         allowed: np.ndarray | None = None,
         effort: int | None = None,
+        parts: int = 1,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, record rows), both (nq, k'); k' = min(k, view size, allowed positions).
         Scores are exact inner products for every index kind; rows of -1 mark missing results
-        (IVF). `allowed` (count,) bool restricts the search to those positions (a filter); `effort`
-        overrides an approximate index's ef_search or nprobe."""
+        (IVF). `allowed` (count,) bool restricts the search to those positions (a filter);
+        `effort` overrides an approximate index's ef_search or nprobe; `parts` is the threads a
+        lone exact query may scan on (indexer.search.exact)."""
         xq = np.ascontiguousarray(xq, dtype=np.float32)
         if self.vectors is not None:
             if allowed is None:
-                scores, pos = exact.search(xq, self.vectors, k)
+                scores, pos = exact.search(xq, self.vectors, k, parts)
             else:
                 scores, pos = exact.search_allowed(xq, self.vectors, k, allowed)
         else:

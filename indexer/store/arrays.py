@@ -38,7 +38,7 @@ def start_writeback(fd: int) -> None:
     (Linux's sync_file_range). A build writes gigabytes that stay below the kernel's own
     writeback threshold: left alone, the disk sees none of them until the fsync, which then
     waits seconds with the cores idle. Durability is
-    the publish's business (indexer.artifact.publish fsyncs the whole staged version before
+    the publish's business (indexer.store.artifact.publish fsyncs the whole staged version before
     it moves it into place), so closing a file only starts its last writes too."""
     if _sync_file_range is not None:
         _sync_file_range(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)  # a failure only loses the head start

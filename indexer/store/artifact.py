@@ -80,7 +80,7 @@ def fsync_tree(path: Path) -> None:
 
 
 def start_writeback_tree(path: Path) -> None:
-    """Start writing every file's dirty pages to disk without waiting (indexer.arrays), so
+    """Start writing every file's dirty pages to disk without waiting (indexer.store.arrays), so
     that the disk works while the cores check and the fsync after finds little left (files
     written whole by np.save, the id index and the views' rows, would wait for it)."""
     for dirpath, _, files in os.walk(path):

@@ -143,7 +143,7 @@ def id_hashes(ids: Sequence[str], kind: str = ID_HASH_KIND) -> np.ndarray:
 
 class RecordStoreWriter:
     """Appends rows in order; close() sorts the id hashes. Memory: the hashes (8 bytes/row),
-    and the filterable fields' columns (indexer.filters)."""
+    and the filterable fields' columns (indexer.store.fields)."""
 
     def __init__(self, vdir: Path, names: Sequence[str], filter_fields: Sequence[str] = ()):
         self.dir = vdir / DIR
@@ -186,7 +186,7 @@ class RecordStoreWriter:
             return
         for f in (self._ids, self._payloads):
             f.flush()
-            start_writeback(f.fileno())  # made durable by the publish (indexer.arrays._Appender)
+            start_writeback(f.fileno())  # made durable by the publish (see arrays._Appender)
             f.close()
         for a in (self._ids_off, self._payloads_off, self._presence):
             a.close()

@@ -104,7 +104,7 @@ def _view_problems(vdir: Path, names: list[str], manifest: dict[str, Any]) -> li
         if vectors.shape[0] != len(rows):
             problems.append(f"view {name}: {vectors.shape[0]} vectors for {len(rows)} rows")
             continue
-        # A link to the stored embeddings (indexer.views.FlatViewsWriter): the same bytes, so
+        # A link to the stored embeddings (indexer.build.views.FlatViewsWriter): the same bytes, so
         # what is left to check is that the head's factor of this one modality is its
         # embeddings as they are, which the first chunk shows.
         linked = len(target) == 1 and os.path.samefile(path, embedding_path(vdir, target[0]))

@@ -190,3 +190,30 @@ def test_the_server_holds_numpys_blas_to_the_search_thread_count(tmp_path) -> No
 
     with running(settings_for(tmp_path / "root", faiss_threads=1), wait_ready=False):
         assert pthreads_blas() and set(pthreads_blas()) == {1}, pthreads_blas()
+
+
+def test_a_lone_search_spreads_over_the_cores_no_other_search_uses() -> None:
+    """Two workers' counts in shared memory (as `hclip serve` makes them): a search alone on
+    the machine may use every core, one beside another search one fewer, never below one."""
+    from app.services import idle_cores
+
+    shared = idle_cores.make_shared(2)
+    idle_cores.attach(shared, 0)
+    try:
+        mine = idle_cores.SearchLoad(cores=4)
+        idle_cores.attach(shared, 1)
+        other = idle_cores.SearchLoad(cores=4)
+        mine.begin()
+        assert mine.lone_parts() == 4
+        other.begin()
+        assert mine.lone_parts() == other.lone_parts() == 3
+        for _ in range(5):
+            other.begin()
+        assert mine.lone_parts() == 1
+        for _ in range(6):
+            other.end()
+        mine.end()
+        assert list(shared) == [0, 0]
+    finally:
+        idle_cores.attach(idle_cores.make_shared(1), 0)
+        idle_cores._shared = None

@@ -129,7 +129,7 @@ def test_a_file_under_two_names_is_listed_twice_and_read_once(tmp_path: Path, mo
 
 
 def test_every_file_of_a_build_is_on_disk_before_current_names_it(tmp_path: Path, monkeypatch):
-    # Writers only start writeback when they close a file (indexer.arrays): durability is the
+    # Writers only start writeback when they close a file (indexer.store.arrays): durability is the
     # publish's fsync of the whole staged version, and it must come before CURRENT moves.
     events: list[tuple[str, Path]] = []
     fsync_path, write_current = artifact.fsync_path, artifact.write_current

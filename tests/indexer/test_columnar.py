@@ -1,4 +1,4 @@
-"""The columnar checks (indexer.columnar) against the one-by-one Validator, the reference: the
+"""The columnar checks (indexer.ingest.checks) against the one-by-one Validator, the reference: the
 same records accepted with the same inputs and payload bytes, the same records rejected with
 the same line, id and message, for JSON Lines and Parquet, whatever the chunk size."""
 
@@ -189,7 +189,7 @@ def vector_line_cases() -> list[str]:
 
 @pytest.mark.parametrize("clean_first", [True, False])
 def test_vector_lines_match_the_validator(tmp_path: Path, clean_first: bool) -> None:
-    """Records of vector kinds only take indexer.jsonl_vectors: the same answers as the
+    """Records of vector kinds only take indexer.ingest.jsonl_vectors: the same answers as the
     reference for every odd case, whether a chunk holds one of them or none."""
     model = load_model(emb_model_dir(tmp_path / "m"))
     lines = vector_line_cases()

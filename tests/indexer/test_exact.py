@@ -8,7 +8,12 @@ import pytest
 
 from indexer.search import exact
 
-KERNELS = {"scan": exact.scan, "product_topk": exact.product_topk, "search": exact.search}
+KERNELS = {
+    "scan": exact.scan,
+    "product_topk": exact.product_topk,
+    "search": exact.search,
+    "split_scan": lambda xq, xb, k: exact.split_scan(xq, xb, k, parts=3),  # a lone query's
+}
 
 
 def reference(xq: np.ndarray, xb: np.ndarray, k: int) -> np.ndarray:
@@ -20,6 +25,9 @@ def reference(xq: np.ndarray, xb: np.ndarray, k: int) -> np.ndarray:
 def check(kernel: str, xq: np.ndarray, xb: np.ndarray, k: int) -> None:
     if kernel == "search":
         scores, pos = exact.search(xq, xb, k)
+    elif kernel == "split_scan":
+        found = [KERNELS[kernel](q[None], xb, min(k, xb.shape[0])) for q in xq]  # lone queries
+        scores, pos = np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
     else:
         scores, pos = KERNELS[kernel](xq, xb, min(k, xb.shape[0]))
     want = reference(xq, xb, k)

@@ -347,7 +347,7 @@ def test_ray_client_address(tmp_path: Path, ray_address: str) -> None:
             assert time.monotonic() < deadline and head.poll() is None, "no Ray head"
             time.sleep(0.5)
         # The head's start of a server for this client can fail on its side; the build tries
-        # again itself (indexer.ray_engine.connect)
+        # again itself (indexer.build.ray_engine.connect)
         done = subprocess.run(build, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     finally:
         head.terminate()  # `ray start --block` stops the processes it started
