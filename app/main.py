@@ -76,7 +76,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         service = SearchService(settings, metrics, cache, load)
         app.state.hclip = AppState(settings, metrics, cache, versions, pools, service)
         log.info("index root %s, cache %s", settings.root, cache.backend)
-        poller = asyncio.create_task(versions.poll_forever())  # its first pass loads CURRENT
+        # The first version is loaded and warmed before the server listens (uvicorn binds once
+        # the lifespan has started), so no worker takes a connection it cannot answer.
+        await versions.start()
+        poller = asyncio.create_task(versions.poll_forever())
         try:
             yield
         finally:

@@ -16,8 +16,10 @@ async def get_state(request: Request) -> AppState:
     return state
 
 
-def serving_of(state: AppState) -> ServingVersion:
+async def serving_of(state: AppState) -> ServingVersion:
     serving = state.versions.current
+    if serving is None:
+        serving = await state.versions.wait_serving(state.settings.request_timeout_s)
     if serving is None:
         raise NotReady("no index version is loaded yet")
     return serving
@@ -25,7 +27,7 @@ def serving_of(state: AppState) -> ServingVersion:
 
 async def get_serving(request: Request) -> ServingVersion:
     # async: FastAPI runs plain-def dependencies on a thread pool, a hop per request.
-    return serving_of(request.app.state.hclip)
+    return await serving_of(request.app.state.hclip)
 
 
 State = Annotated[AppState, Depends(get_state)]

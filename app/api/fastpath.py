@@ -113,7 +113,7 @@ class SearchFastPath:
         scope.setdefault("state", {})["request_id"] = rid
         extra: list[tuple[bytes, bytes]] = []
         try:
-            status, body = 200, await hclip.search.search(serving_of(hclip), request)
+            status, body = 200, await hclip.search.search(await serving_of(hclip), request)
         except ApiError as exc:
             status = exc.status
             body = orjson.dumps(

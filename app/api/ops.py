@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header
 from starlette.responses import Response
 
-from app.api.deps import Serving, State, serving_of
+from app.api.deps import Serving, State
 from app.api.docs import errors
 from app.api.http import ApiRoute, JSONResponse
 from app.api.schemas import Health, InfoResponse, Ready, ReloadResponse
-from app.core.errors import Unauthorized
+from app.core.errors import NotReady, Unauthorized
 from app.services.state import AppState
 
 router = APIRouter(route_class=ApiRoute)
@@ -31,7 +31,11 @@ async def healthz() -> JSONResponse:
     summary="Readiness: a version is loaded",
 )
 async def readyz(state: State) -> JSONResponse:
-    return JSONResponse({"status": "ready", "index_version": serving_of(state).version})
+    # Ready means this process serves a version now: no waiting for one here.
+    current = state.versions.current
+    if current is None:
+        raise NotReady("no index version is loaded yet")
+    return JSONResponse({"status": "ready", "index_version": current.version})
 
 
 def _rejected(state: AppState) -> list[dict[str, object]]:
@@ -45,6 +49,16 @@ def _rejected(state: AppState) -> list[dict[str, object]]:
         }
         for version, r in state.versions.rejected.items()
     ]
+
+
+def _view_info(entry: dict[str, Any]) -> dict[str, Any]:
+    out = {k: entry[k] for k in ("query", "target", "count", "spec", "recall_at_10")}
+    tuning = entry.get("tuning")
+    if tuning is not None:  # what the tuner compared when it picked (indexer.tune.tuner)
+        out["tuning"] = {
+            k: tuning[k] for k in ("picked", "served_batch", "check", "flat", "why") if k in tuning
+        }
+    return out
 
 
 @router.get(
@@ -68,10 +82,7 @@ async def info(state: State, serving: Serving) -> JSONResponse:
             "index_version": serving.version,
             "parent_version": m.get("parent"),
             "created": m.get("created"),
-            "views": {
-                name: {k: v[k] for k in ("query", "target", "count", "spec", "recall_at_10")}
-                for name, v in m["views"].items()
-            },
+            "views": {name: _view_info(v) for name, v in m["views"].items()},
             "counts": m["counts"],
             "cache": state.cache.backend,
             "rejected_versions": _rejected(state),

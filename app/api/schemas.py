@@ -202,6 +202,11 @@ class ViewInfo(BaseModel):
     count: int
     spec: dict[str, Any]
     recall_at_10: float | None
+    tuning: dict[str, Any] | None = Field(
+        None,
+        description="for a view the tuner chose (--spec auto): the pick, the batch size it "
+        "served at, its and flat search's queries/s alone and in batches, or why it stayed flat",
+    )
 
 
 class RejectedVersion(BaseModel):

@@ -17,7 +17,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from app.core.metrics import MULTIPROC_ENV
 from app.core.settings import Settings
 from app.server import supervisor
 
@@ -49,10 +48,12 @@ def serve(settings: Settings) -> None:
             access_log=False,
         )
         return
-    # Workers are fresh interpreters that read their settings from the environment.
+    # Workers read their settings from the environment, forked or spawned.
     os.environ.update(settings.as_environment())
     metrics_dir = Path(tempfile.mkdtemp(prefix="hclip-metrics-"))
-    os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before any worker imports prometheus_client
+    # Before anything imports prometheus_client, which reads it then (app.core.metrics): the
+    # workers are forked from this process once it has imported the app.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
     try:
         supervisor.run(settings.host, settings.port, settings.workers, worker_gone)

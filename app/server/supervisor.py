@@ -14,6 +14,15 @@ accept the option without spreading them, and there the workers would serve unev
 The parent keeps a bound socket of its own that never listens: it holds the port between worker
 restarts (connections go only to listening sockets) and gives every worker the same port when
 the one asked for is 0.
+
+A worker listens only once its app has started, that is once it has loaded and warmed the
+version it serves (app.main's lifespan; uvicorn listens after it), so a connection the kernel
+gives a worker is one it can answer; a restarted worker rejoins the same way.
+
+Where fork exists, the parent imports the app once and forks the workers, so that start-up does
+not grow with their number: each worker skips the imports (torch's above all) and only loads
+its version. The parent runs nothing of the app (no thread, no torch operation), so a fork
+copies nothing half-done. Elsewhere the workers are spawned, fresh interpreters.
 """
 
 from __future__ import annotations
@@ -86,18 +95,23 @@ def exit_with(parent: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def serve_one(host: str, port: int, parent: int, load: Any, slot: int) -> None:
+def serve_one(host: str, port: int, parent: int, load: Any, slot: int, held: int) -> None:
     """A worker process: its own listening socket, the app from HCLIP_* variables, its
-    searches counted in slot `slot` of the workers' shared `load` (app.services.idle_cores)."""
+    searches counted in slot `slot` of the workers' shared `load` (app.services.idle_cores).
+    `held` is the parent's reserved socket, which a forked worker closes (-1: spawned)."""
     import uvicorn
 
     from app.core.logs import configure_logging
     from app.services import idle_cores
 
+    for sig in (signal.SIGTERM, signal.SIGINT):  # a forked worker has the parent's handlers
+        signal.signal(sig, signal.SIG_DFL)
+    if held >= 0:
+        os.close(held)
     exit_with(parent)
     idle_cores.attach(load, slot)
-    # A fresh interpreter: without this it would log none of the app's own lines (version
-    # loads and rejections, the kernel router's table).
+    # A spawned worker is a fresh interpreter: without this it would log none of the app's
+    # own lines (version loads and rejections).
     configure_logging()
     sock = reuseport_socket(host, port)
     config = uvicorn.Config(
@@ -123,10 +137,13 @@ class Worker:
 def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> None:
     """Serve until SIGTERM or SIGINT, then stop every worker.
     `on_exit(pid)` is called for each worker process that has ended (its metrics are dropped).
-    Workers are fresh interpreters (spawned): they read their settings from the environment."""
+    Workers read their settings from the environment (HCLIP_* variables)."""
     held = reserve(host, port)
     port = held.getsockname()[1]
-    ctx = multiprocessing.get_context("spawn")
+    forked = "fork" in multiprocessing.get_all_start_methods()
+    if forked:
+        import app.main  # noqa: F401 - imported once here, inherited by every forked worker
+    ctx = multiprocessing.get_context("fork") if forked else multiprocessing.get_context("spawn")
     stopping = threading.Event()
     from app.services.idle_cores import make_shared
 
@@ -140,7 +157,7 @@ def run(host: str, port: int, workers: int, on_exit: Callable[[int], None]) -> N
     def start(slot: int) -> BaseProcess:
         process = ctx.Process(
             target=serve_one,
-            args=(host, port, os.getpid(), load, slot),
+            args=(host, port, os.getpid(), load, slot, held.fileno() if forked else -1),
             name=f"hclip-worker-{slot}",
         )
         process.start()

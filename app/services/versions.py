@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from app.core.errors import VersionRejected
 from app.core.metrics import Metrics
@@ -24,6 +25,7 @@ from app.services.batching import (
     SearchItem,
     SearchResult,
     encode_batcher,
+    query_factors,
     search_batcher,
 )
 from app.services.idle_cores import SearchLoad
@@ -72,6 +74,31 @@ class ServingVersion:
         return self.index.fingerprint
 
 
+@torch.inference_mode()
+def warm_up(serving: ServingVersion) -> None:
+    """Run every encoder that can make an example of its input once, and search every view
+    with a query of one row and a small batch: lazy initialisations happen now, and the views'
+    pages are mapped in, before the version takes a request."""
+    model = serving.model
+    embs = {}
+    for name in model.names:
+        enc = model.encoder(name)
+        example = enc.example(enc.cfg)
+        if example is not None:
+            embs[name] = model.encode(name, [example])[0].numpy()
+    rng = np.random.default_rng(0)
+    d = model.cfg.latent_dim
+    for view in serving.index.views.values():
+        for rows in (1, 8):
+            items = [
+                SearchItem({m: embs.get(m, rng.standard_normal(d).astype(np.float32))
+                            for m in view.query}, 10)
+                for _ in range(rows)
+            ]  # fmt: skip
+            xq = query_factors(model.head, view, items)
+            view.search(xq, 10)
+
+
 @dataclass
 class Rejection:
     """A version that could not be loaded, and when the poller will try it again."""
@@ -100,16 +127,22 @@ class VersionManager:
         self.rejected: dict[str, Rejection] = {}
         self._models: dict[str, MultimodalModel] = {}
         self._lock = asyncio.Lock()
+        self._loaded = asyncio.Event()  # set once a version serves
         self._search_on_loop = settings.searches_on_loop()
         self.load = load or SearchLoad(machine_cores())
 
     def _open(self, version_id: str) -> ServingVersion:
-        """Blocking: check and open a version, load (or reuse) its model, build its workers."""
+        """Blocking: check and open a version, load (or reuse) its model, build its workers,
+        and warm its search path up, so that its first request costs what every other does."""
         index = open_checked(
             artifact.version_dir(self.root, version_id), self.settings.verify_on_load
         )
         model = self._model_for(index)
-        return self._serving(index, model)
+        serving = self._serving(index, model)
+        t0 = time.perf_counter()
+        warm_up(serving)
+        log.debug("version %s warmed up in %.3f s", version_id, time.perf_counter() - t0)
+        return serving
 
     def _model_for(self, index: LoadedVersion) -> MultimodalModel:
         """The model that built `index`, loaded once and shared by its later versions."""
@@ -190,6 +223,7 @@ class VersionManager:
             self.metrics.load_seconds.set(took)
             old = self.current
             self.current = serving
+            self._loaded.set()
             # A version CURRENT no longer names will not be tried again.
             self.rejected.clear()
             self.metrics.rejected_versions.set(0)
@@ -202,6 +236,31 @@ class VersionManager:
                 took,
             )
             return True
+
+    async def start(self) -> None:
+        """The first load, awaited before the worker takes connections: the version CURRENT
+        names is opened and warmed up (or refused, and reported), or none is published yet."""
+        try:
+            await self.refresh()
+        except VersionRejected:
+            pass
+        except Exception:
+            log.exception("checking %s for a new version failed", self.root)
+
+    async def wait_serving(self, timeout_s: float) -> ServingVersion | None:
+        """The version that serves; when none does yet but CURRENT names one that is being
+        loaded (a worker that started before it was published, say), up to `timeout_s` for
+        it, rather than answering a client that a published version is not there."""
+        if self.current is not None:
+            return self.current
+        version_id = artifact.read_current(self.root)
+        if version_id is None or version_id in self.rejected:
+            return None
+        try:
+            await asyncio.wait_for(self._loaded.wait(), timeout_s)
+        except TimeoutError:
+            return None
+        return self.current
 
     async def poll_forever(self) -> None:
         while True:

@@ -13,21 +13,20 @@ from typing import Any
 import numpy as np
 import orjson
 
+from indexer.build.local import encode_local
+from indexer.build.views import FlatViewsWriter, build_view
+from indexer.build.writer import RowWriter
+from indexer.ingest.admission import Admission
+from indexer.ingest.checks import ChunkChecker
+from indexer.ingest.sources import CHUNK_ROWS, RecordFiles
+from indexer.ingest.validate import Rejected, Validator
+from indexer.search.specs import IndexSpec
 from indexer.store import artifact
 from indexer.store.arrays import NpyRows
-from indexer.ingest.checks import ChunkChecker
-from indexer.ingest.validate import Rejected, Validator
-from indexer.build.writer import RowWriter
-from indexer.build.local import encode_local
-from indexer.ingest.admission import Admission
-from indexer.store.version import LoadedVersion
-from indexer.store.rows import embedding_path, load_rows
 from indexer.store.recordstore import ID_HASH_KIND, RecordStore, id_hash_of
-from indexer.ingest.sources import CHUNK_ROWS, RecordFiles
-from indexer.search.specs import IndexSpec
+from indexer.store.rows import StoredRows, embedding_path, load_rows
 from indexer.store.verify import verify_contents
-from indexer.build.views import FlatViewsWriter, build_view
-from indexer.store.rows import StoredRows
+from indexer.store.version import LoadedVersion
 from models.checkpoint import fingerprint, load_model, read_config
 from models.extras import require
 from models.heads import default_views

@@ -52,13 +52,20 @@ from ray.data.datasource import Datasource, ReadTask
 from ray.exceptions import RayTaskError
 from tqdm import tqdm
 
-from indexer.ingest.checks import Checked, ChunkChecker, Reject
-from indexer.ingest.validate import Rows, Validator
-from indexer.build.writer import RowWriter
 from indexer.build.encode import encode_rows
-from indexer.ingest.admission import Admission
 from indexer.build.ray_address import CLIENT_SCHEME, ClusterError, check_reachable
-from indexer.ingest.sources import CHUNK_ROWS, Chunk, RecordFiles, jsonl_chunks, open_parquet, parquet_chunks
+from indexer.build.writer import RowWriter
+from indexer.ingest.admission import Admission
+from indexer.ingest.checks import Checked, ChunkChecker, Reject
+from indexer.ingest.sources import (
+    CHUNK_ROWS,
+    Chunk,
+    RecordFiles,
+    jsonl_chunks,
+    open_parquet,
+    parquet_chunks,
+)
+from indexer.ingest.validate import Rows, Validator
 from models.checkpoint import fingerprint, load_model
 from models.limits import InputError
 from models.model import MultimodalModel

@@ -58,7 +58,9 @@ def _die_with(parent: int) -> None:
         os._exit(1)
 
 
-def ahead(fn: Callable[[T], R], items: Iterable[T], workers: int, depth: int) -> Generator[R, None, None]:
+def ahead(
+    fn: Callable[[T], R], items: Iterable[T], workers: int, depth: int
+) -> Generator[R, None, None]:
     """fn(item) for every item, in order, computed by `workers` forked processes with up to
     `depth` items in flight; here, one by one, when workers is 0 or forking is unsafe. The
     workers start now, before the caller starts threads of its own. An error of fn is raised at
@@ -93,6 +95,8 @@ def _in_order(
 
 
 _END = object()
+
+
 def _result(future: Future[R]) -> R:
     try:
         return future.result()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,6 @@ from indexer.search import ann
 from indexer.search.ann import ExactVectors
 from indexer.search.mips import max_norm as norm_of
 from indexer.search.specs import IndexSpec, augmented_width, new_index
-from indexer.store import artifact
 from indexer.store.arrays import NpyAppender
 from indexer.store.rows import CHUNK, StoredRows, exact_vectors_of, factor_chunks, mapped_rows
 from indexer.tune import tuner as tune
@@ -96,7 +96,10 @@ def build_view(
         entry |= flat_entry(spec)
         if not spec.tuned or len(rows) == 0:
             return entry
-        return _tuned(vdir, head, stored, q, t, rows, entry, spec, tuning or tune.TuneOptions())
+        opts = tuning or tune.TuneOptions()
+        if "batch" in spec.params:  # auto:batch=B: the batch the server forms under load
+            opts = replace(opts, served_batch=spec.params["batch"])
+        return _tuned(vdir, head, stored, q, t, rows, entry, spec, opts)
     mapped = mapped_rows(vdir, stored)
     exact = exact_vectors_of(head, mapped, rows, t)
     max_norm = max(norm_of(xb) for xb in factor_chunks(head, stored, rows, t, "record"))

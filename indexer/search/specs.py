@@ -85,7 +85,8 @@ class IndexSpec:
         if kind not in DEFAULTS:
             raise SpecError(f"--spec: unknown index kind {kind!r} (known: {', '.join(DEFAULTS)})")
         if kind == "auto":
-            return IndexSpec("auto", {}, _parse_target(rest))
+            target, batch = _parse_auto(rest)
+            return IndexSpec("auto", {"batch": batch} if batch else {}, target)
         params = dict(DEFAULTS[kind])
         for item in filter(None, (p.strip() for p in rest.split(","))):
             key, eq, value = item.partition("=")
@@ -126,12 +127,21 @@ class IndexSpec:
         return self.kind + (f":{opts}" if opts else "")
 
 
-def _parse_target(rest: str) -> float:
-    target = DEFAULT_TARGET_RECALL
+def _parse_auto(rest: str) -> tuple[float, int | None]:
+    """auto[:recall=R][,batch=B]: the recall target, and the batch the server forms under load
+    (indexer.tune.tuner; None: its default)."""
+    target, batch = DEFAULT_TARGET_RECALL, None
     for item in filter(None, (p.strip() for p in rest.split(","))):
         key, eq, value = item.partition("=")
-        if not eq or key != "recall":
-            raise SpecError(f"--spec: auto takes recall=R (0 < R < 1), got {item!r}")
+        if not eq or key not in ("recall", "batch"):
+            raise SpecError(
+                f"--spec: auto takes recall=R (0.5 <= R < 1) and batch=B (B >= 1), got {item!r}"
+            )
+        if key == "batch":
+            if not value.isdigit() or int(value) < 1:
+                raise SpecError(f"--spec: batch must be a positive integer, got {value!r}")
+            batch = int(value)
+            continue
         try:
             target = float(value)
         except ValueError:
@@ -139,7 +149,7 @@ def _parse_target(rest: str) -> float:
         # 1.0 is flat search, which needs no tuner; below 0.5 nobody means it.
         if not 0.5 <= target < 1.0:
             raise SpecError(f"--spec: recall must be in [0.5, 1), got {target}")
-    return target
+    return target, batch
 
 
 def augmented_width(dim: int, spec: IndexSpec) -> int:

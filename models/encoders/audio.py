@@ -167,5 +167,9 @@ class AudioEncoder(ProjectedEncoder):
     def decode(value: Any, cfg: ModalityConfig, base_dir: Path | None, limits: InputLimits) -> Any:
         return decode_audio(value, cfg, base_dir, limits)
 
+    @staticmethod
+    def example(cfg: ModalityConfig) -> Any:
+        return torch.zeros(math.ceil(cfg.max_seconds * cfg.sample_rate))
+
     def features(self, batch: torch.Tensor) -> torch.Tensor:
         return self.cnn(self.logmel(batch))  # (B, hidden)

@@ -39,6 +39,12 @@ class Encoder(nn.Module, ABC):
         resolves relative media paths (None for a query, which may not name a file)."""
 
     @staticmethod
+    def example(cfg: ModalityConfig) -> Any:
+        """A decoded input of this kind, for warming the encoder up before it serves; None
+        when the kind cannot make one (a plugin's inputs are its own)."""
+        return None
+
+    @staticmethod
     def featurizer_for(cfg: ModalityConfig) -> Featurizer:
         """The frozen featurizer of this kind, without the trainable layers (training builds
         it in its DataLoader workers)."""

@@ -62,5 +62,9 @@ class ImageEncoder(ProjectedEncoder):
     def decode(value: Any, cfg: ModalityConfig, base_dir: Path | None, limits: InputLimits) -> Any:
         return decode_image(value, cfg, base_dir, limits)
 
+    @staticmethod
+    def example(cfg: ModalityConfig) -> Any:
+        return torch.zeros(cfg.channels, cfg.image_size, cfg.image_size)
+
     def features(self, batch: torch.Tensor) -> torch.Tensor:
         return self.cnn(batch)  # (B, hidden)

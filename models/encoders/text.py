@@ -52,6 +52,10 @@ class TextEncoder(ProjectedEncoder):
         return decode_text(value, limits)
 
     @staticmethod
+    def example(cfg: ModalityConfig) -> Any:
+        return "a first query"
+
+    @staticmethod
     def featurizer_for(cfg: ModalityConfig) -> Featurizer:
         return TextFeatures()
 

@@ -60,6 +60,11 @@ class VectorEncoder(ProjectedEncoder):
     def decode(value: Any, cfg: ModalityConfig, base_dir: Path | None, limits: InputLimits) -> Any:
         return decode_vector(value, cfg, limits=limits)
 
+    @staticmethod
+    def example(cfg: ModalityConfig) -> Any:
+        assert cfg.dim is not None
+        return torch.ones(cfg.dim)
+
     def features(self, batch: torch.Tensor) -> torch.Tensor:
         return self.mlp(batch)  # (B, hidden)
 
@@ -81,6 +86,11 @@ class EmbeddingEncoder(Encoder):
                     self.linear.weight.copy_(torch.eye(latent_dim))
                 else:
                     nn.init.orthogonal_(self.linear.weight)
+
+    @staticmethod
+    def example(cfg: ModalityConfig) -> Any:
+        assert cfg.dim is not None
+        return torch.ones(cfg.dim)
 
     @staticmethod
     def decode(value: Any, cfg: ModalityConfig, base_dir: Path | None, limits: InputLimits) -> Any:
