@@ -16,51 +16,61 @@ from collections.abc import Sequence
 
 from app.core.logs import configure_logging
 
-COMMANDS = ("train", "index", "serve", "demo", "bench")
+COMMANDS = {
+    "train": "train a model from a JSON config",
+    "index": "build, update and maintain versioned indexes",
+    "serve": "serve the published index over HTTP",
+    "demo": "digits shown, spoken and written: build, then serve",
+    "bench": "benchmarks",
+}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The whole parser, or, given a command word, one with that command alone: each
-    command's module is imported to declare its options, and `hclip index` needs neither the
-    service's settings (pydantic) nor the demo's imports."""
+    """Given a command word, a parser with that command and its options (its module imported
+    to declare them, and nothing heavier: the jobs import torch when they run); without one,
+    a parser that lists the commands, for help and misspellings, importing none of them."""
     p = argparse.ArgumentParser(
         prog="hclip", description="Hadamard-CLIP training, indexing and search"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True)
-    wanted = COMMANDS if command is None else (command,)
+    if command not in COMMANDS:
+        for name, text in COMMANDS.items():
+            sub.add_parser(name, help=text, add_help=False)
+        return p
+    wanted = (command,)
 
     if "train" in wanted:
         from models.train import cli as train_cli
 
-        train = sub.add_parser("train", help="train a model from a JSON config")
+        train = sub.add_parser("train", help=COMMANDS["train"])
         train_cli.add_arguments(train)
         train.set_defaults(func=lambda a: train_cli.run(a))
 
     if "index" in wanted:
         from indexer import cli as index_cli
 
-        index = sub.add_parser("index", help="build, update and maintain versioned indexes")
+        index = sub.add_parser("index", help=COMMANDS["index"])
         index_cli.add_arguments(index)
 
     if "serve" in wanted:
         from app.server import serve as serve_cli
 
-        serve = sub.add_parser("serve", help="serve the published index over HTTP")
+        serve = sub.add_parser("serve", help=COMMANDS["serve"])
         serve_cli.add_arguments(serve)
         serve.set_defaults(func=serve_cli.run)
 
     if "demo" in wanted:
         from app.demo import cli as demo_cli
 
-        demo = sub.add_parser("demo", help="digits shown, spoken and written: build, then serve")
+        demo = sub.add_parser("demo", help=COMMANDS["demo"])
         demo_cli.add_arguments(demo)
         demo.set_defaults(func=demo_cli.run)
 
     if "bench" in wanted:
         from benchmarks import expressivity as bench_expressivity
 
-        bench = sub.add_parser("bench", help="benchmarks")
+        bench = sub.add_parser("bench", help=COMMANDS["bench"])
         bench_sub = bench.add_subparsers(dest="bench", required=True)
         expr = bench_sub.add_parser(
             "expressivity", help="H-CLIP vs sum-of-pairs on 3-way interactions"
@@ -84,22 +94,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Idle OpenMP threads must sleep, not spin, while the other core serves HTTP. libgomp
         # reads this once, when torch loads it, so it is set before anything imports torch.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    args = build_parser(_command(argv)).parse_args(argv)
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    try:
+        return int(args.func(args))
+    except Exception as exc:
+        if isinstance(exc, user_errors()):
+            print(f"hclip {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """A user's mistakes, told apart from bugs: one line on stderr and exit status 2 (the
+    modules are light; the command that raised one has imported them anyway)."""
     from app.demo.data import DemoError
     from indexer.cli import USER_ERRORS as INDEX_ERRORS
     from models.extras import ExtraMissing
     from models.limits import InputError
     from models.train.cli import USER_ERRORS
 
-    # The command first (as typed nearly always): its parser alone. Otherwise (an option
-    # first, no command, a misspelt one) the whole parser, whose help and errors list them all.
-    only = argv[0] if argv and argv[0] in COMMANDS else None
-    args = build_parser(only).parse_args(argv)
-    configure_logging(logging.DEBUG if args.verbose else logging.INFO)
-    try:
-        return int(args.func(args))
-    except (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError, ExtraMissing) as exc:
-        print(f"hclip {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    return (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError, ExtraMissing)
 
 
 # Commands whose work is complete and durable when main() returns (an index version is fsynced

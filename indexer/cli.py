@@ -6,17 +6,21 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from indexer.build import retune as tune_cli
-from indexer.build.jobs import ENGINES, JobOptions, build, summary, update
 from indexer.build.ray_address import ClusterError
-from indexer.build.views import parse_views
-from indexer.search.specs import IndexSpec, SpecError
+from indexer.search.specs import DEFAULT_TARGET_RECALL, IndexSpec, SpecError
 from indexer.store import artifact
-from indexer.store.verify import verify
-from models.checkpoint import read_config
+from indexer.tune.defaults import FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, SERVED_BATCH
 
+if TYPE_CHECKING:
+    from indexer.build.jobs import JobOptions
+
+# The jobs themselves (torch, FAISS) are imported by the command that runs them, so that help
+# and argument errors answer at once.
 USER_ERRORS = (artifact.ArtifactError, SpecError, ClusterError)
+ENGINES = ("local", "ray")
+ROOT_HELP = "the index root: every version lives under it (docs/design.md §5)"
 FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
@@ -35,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             help="comma-separated query sets (a,b+c); default: each modality, and for 3 or more "
             "modalities each all-but-one set",
         )
-        sp.add_argument("--batch-size", type=int, default=256)
+        sp.add_argument(
+            "--batch-size", type=int, default=256, help="records per encoder call (default 256)"
+        )
         sp.add_argument(
             "--skip-bad",
             action="store_true",
@@ -67,19 +73,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         )
 
     b = sub.add_parser("build", help="encode records and publish a new version")
-    b.add_argument("--model", required=True, type=Path)
+    b.add_argument(
+        "--model", required=True, type=Path, help="the model directory (`hclip train --out`)"
+    )
     b.add_argument(
         "--records",
         required=True,
         type=Path,
         help="JSON Lines or Parquet: a file, a directory of them or a glob (quoted)",
     )
-    b.add_argument("--root", required=True, type=Path)
+    b.add_argument(
+        "--root",
+        required=True,
+        type=Path,
+        help=f"{ROOT_HELP}; created if missing",
+    )
     job_options(b)
     b.set_defaults(func=_build)
 
     u = sub.add_parser("update", help="a new version from the current one: deletes, then upserts")
-    u.add_argument("--root", required=True, type=Path)
+    u.add_argument("--root", required=True, type=Path, help=ROOT_HELP)
     u.add_argument(
         "--upsert",
         type=Path,
@@ -90,25 +103,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     job_options(u)
     u.set_defaults(func=_update)
 
-    tune_cli.add_parser(sub)
+    _tune_parser(sub)
 
     ls = sub.add_parser("list", help="list versions")
-    ls.add_argument("--root", required=True, type=Path)
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--root", required=True, type=Path, help=ROOT_HELP)
+    ls.add_argument("--json", action="store_true", help="print the list as JSON")
     ls.set_defaults(func=_list)
 
     v = sub.add_parser("verify", help="check checksums and view contents")
-    v.add_argument("--root", required=True, type=Path)
+    v.add_argument("--root", required=True, type=Path, help=ROOT_HELP)
     v.add_argument("--version", help="one version (default: all)")
     v.set_defaults(func=_verify)
 
     g = sub.add_parser("gc", help="keep the newest N versions and the published one")
-    g.add_argument("--root", required=True, type=Path)
-    g.add_argument("--keep", type=int, default=3)
+    g.add_argument("--root", required=True, type=Path, help=ROOT_HELP)
+    g.add_argument("--keep", type=int, default=3, help="the newest versions to keep (default 3)")
     g.set_defaults(func=_gc)
 
 
 def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
+    from indexer.build.jobs import JobOptions
+    from indexer.build.views import parse_views
+
     if args.batch_size < 1:
         raise SpecError("--batch-size must be at least 1")
     if args.workers is not None and args.workers < 1:
@@ -142,6 +158,9 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
 
 
 def _build(args: argparse.Namespace) -> int:
+    from indexer.build.jobs import build, summary
+    from models.checkpoint import read_config
+
     cfg, _ = read_config(args.model)
     result = build(args.model, args.records, args.root, _options(args, cfg.names))
     print("\n".join(summary(result)))
@@ -149,6 +168,8 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _update(args: argparse.Namespace) -> int:
+    from indexer.build.jobs import summary, update
+
     vdir = artifact.current_version_dir(args.root)
     names = artifact.read_manifest(vdir)["modalities"]
     result = update(
@@ -190,6 +211,8 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
+    from indexer.store.verify import verify
+
     names = (
         [args.version]
         if args.version
@@ -215,3 +238,57 @@ def _gc(args: argparse.Namespace) -> int:
     removed = artifact.gc(args.root, args.keep)
     print(f"removed {len(removed)} version(s){': ' + ', '.join(removed) if removed else ''}")
     return 0
+
+
+def _tune_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """`hclip index tune` (run by indexer.build.retune)."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "tune",
+        help="measure index families on the published version's views and publish a new "
+        "version with the fastest that keeps the recall target",
+    )
+    p.add_argument("--root", required=True, type=Path, help=ROOT_HELP)
+    p.add_argument("--view", help="comma-separated views to tune (default: all)")
+    p.add_argument(
+        "--recall",
+        type=float,
+        default=DEFAULT_TARGET_RECALL,
+        help=f"recall@10 target (default {DEFAULT_TARGET_RECALL})",
+    )
+    p.add_argument(
+        "--queries",
+        type=Path,
+        help="held-out queries: JSON Lines of /v1/search request bodies (e.g. a request log)",
+    )
+    p.add_argument(
+        "--min-speedup",
+        type=float,
+        default=MIN_SPEEDUP,
+        help="an index must serve this many times flat search's queries/s in batches of "
+        f"--served-batch, and be as fast alone (default {MIN_SPEEDUP})",
+    )
+    p.add_argument(
+        "--served-batch",
+        type=int,
+        default=SERVED_BATCH,
+        help="the queries a worker searches at once under load (about the concurrent requests "
+        f"over the workers; default {SERVED_BATCH})",
+    )
+    p.add_argument("--families", help=f"comma-separated subset of {','.join(FAMILIES)}")
+    p.add_argument(
+        "--timing-seconds",
+        type=float,
+        default=MIN_TIMING_S,
+        help=f"each speed measurement runs at least this long, twice (default {MIN_TIMING_S}; "
+        "shorter is noisier)",
+    )
+    p.add_argument("--model", type=Path, help="default: the model that built the version")
+    p.add_argument("--plot", type=Path, help="write each view's frontier as DIR/<view>.png")
+    p.set_defaults(func=_tune)
+    return p
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from indexer.build import retune
+
+    return retune.run(args)

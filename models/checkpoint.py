@@ -16,6 +16,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from models.config import ConfigError, ModelConfig
+from models.errors import CheckpointError
 from models.model import MultimodalModel
 from models.plugins import PluginError, plugin_identity
 from models.tensor_files import check_tensors, read_tensors, replace_dir
@@ -23,10 +24,6 @@ from models.tensor_files import check_tensors, read_tensors, replace_dir
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 FORMAT_VERSION = 1
-
-
-class CheckpointError(ValueError):
-    """A model directory is missing, corrupt, pickled, or does not match its config."""
 
 
 def prepare_out_dir(out: Path, overwrite: bool = False) -> None:

@@ -28,14 +28,11 @@ import torch
 from torch import nn
 
 from models.config import ConfigError, ModalityConfig, ModelConfig
+from models.errors import PluginError
 from models.limits import InputLimits
 from models.tensor_files import check_tensors, read_tensors
 
 ENTRY_POINT_GROUP = "hclip.encoders"
-
-
-class PluginError(ValueError):
-    """A plugin is not installed, fails to load, or its weights do not fit its tower."""
 
 
 class TowerPlugin(ABC):

@@ -14,8 +14,14 @@ import orjson
 class RecordError(ValueError):
     """A record is malformed; the message names its line and id."""
 
-    def __init__(self, message: str, line: int | None = None, record_id: str | None = None):
-        where = []
+    def __init__(
+        self,
+        message: str,
+        line: int | None = None,
+        record_id: str | None = None,
+        file: str | None = None,
+    ):
+        where = [file] if file is not None else []
         if line is not None:
             where.append(f"line {line}")
         if record_id is not None:
@@ -24,6 +30,13 @@ class RecordError(ValueError):
         self.line = line
         self.record_id = record_id
         self.reason = message
+        self.file = file
+
+    def in_file(self, file: str) -> RecordError:
+        """The same error, naming the file it is in (a command's one line names it)."""
+        if self.file is not None or self.line is None:  # named already, or not about a line
+            return self
+        return RecordError(self.reason, self.line, self.record_id, file)
 
 
 def _reject_constant(name: str) -> Any:
@@ -47,7 +60,8 @@ def parse_line(line: str | bytes, line_no: int) -> dict[str, Any]:
         try:
             obj = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as exc:
-            raise RecordError(f"not valid JSON ({exc})", line=line_no) from None
+            what = exc.msg.removesuffix(" at")  # "Invalid control character at"
+            raise RecordError(f"not valid JSON at column {exc.colno} ({what})", line_no) from None
         except ValueError as exc:  # NaN or Infinity, which are not JSON
             raise RecordError(f"not valid JSON ({exc})", line_no, _lenient_id(text)) from None
     if not isinstance(obj, dict):

@@ -95,6 +95,14 @@ class RequestContextMiddleware:
             await send({"type": "http.response.body", "body": body})
 
 
+FILE_MOUNTS = ("/static", "/media")  # the page's files and the demo's media (app.api.page)
+
+
+def endpoint_of_file(path: str) -> str:
+    """The label of a request no route matched: a mount it fell under, else `unmatched`."""
+    return next((m for m in FILE_MOUNTS if path == m or path.startswith(m + "/")), "unmatched")
+
+
 class MetricsMiddleware:
     def __init__(self, app: ASGIApp, metrics: Metrics):
         self.app = app
@@ -117,7 +125,7 @@ class MetricsMiddleware:
         finally:
             # The route template, not the raw path, keeps label cardinality bounded.
             route: Any = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
+            endpoint = getattr(route, "path", None) or endpoint_of_file(scope["path"])
             self.metrics.requests.labels(endpoint, scope["method"], str(status[0])).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
 

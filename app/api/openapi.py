@@ -23,6 +23,11 @@ from app.services.versions import ServingVersion
 DATA_URI = r"^data:[^,]*;base64,"
 
 
+def with_article(word: str) -> str:
+    """The word with its indefinite article: an audio embedding, a text one."""
+    return f"{'an' if word[:1].lower() in 'aeiou' else 'a'} {word}"
+
+
 def raw_input_schema(kind: str, dim: int | None, settings: Settings) -> dict[str, Any]:
     if kind == "text":
         return {
@@ -39,7 +44,9 @@ def raw_input_schema(kind: str, dim: int | None, settings: Settings) -> dict[str
             "description": f"{what} as a base64 data: URI",
         }
     if dim is not None:
-        return numbers(dim, f"the {dim} numbers of a {kind} input", settings.max_abs_value)
+        return numbers(
+            dim, f"the {dim} numbers of {with_article(kind)} input", settings.max_abs_value
+        )
     return {"description": f"a raw input of the {kind!r} encoder kind"}
 
 
@@ -77,7 +84,7 @@ def filter_schema(fields: dict[str, str]) -> dict[str, Any]:
                     "additionalProperties": False,
                 }
             )
-        props[name] = {"anyOf": forms, "description": f"a {kind} payload field"}
+        props[name] = {"anyOf": forms, "description": f"{with_article(kind)} payload field"}
     return {"type": "object", "properties": props, "additionalProperties": False}
 
 
@@ -114,7 +121,8 @@ def specialise(doc: dict[str, Any], serving: ServingVersion, settings: Settings)
     props["embeddings"] = {
         "type": "object",
         "properties": {
-            n: numbers(d, f"a {n} embedding (d = {d})", settings.max_abs_value) for n in kinds
+            n: numbers(d, f"{with_article(n)} embedding (d = {d})", settings.max_abs_value)
+            for n in kinds
         },
         "additionalProperties": False,
         "maxProperties": len(kinds) - 1,

@@ -34,7 +34,7 @@ async def readyz(state: State) -> JSONResponse:
     # Ready means this process serves a version now: no waiting for one here.
     current = state.versions.current
     if current is None:
-        raise NotReady("no index version is loaded yet")
+        raise NotReady(state.versions.not_ready())
     return JSONResponse({"status": "ready", "index_version": current.version})
 
 

@@ -25,6 +25,11 @@ async def page() -> FileResponse:
     return FileResponse(STATIC / "index.html")
 
 
+@router.get("/favicon.ico", include_in_schema=False)
+async def favicon() -> FileResponse:
+    return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
+
 @router.get(
     "/v1/demo/examples",
     responses=errors(404),

@@ -31,7 +31,9 @@ def _integral(value: Any) -> Any:
     return value
 
 
-Count = Annotated[int, BeforeValidator(_integral), Field(strict=True, ge=1)]
+# Any integer: its range is the server's settings', checked with them by the search service
+# (app.services.search), so that k: 0 and k: 10^6 are refused alike, naming range and setting.
+Count = Annotated[int, BeforeValidator(_integral), Field(strict=True)]
 RawInput = Annotated[
     str | list[Number],
     Field(

@@ -32,6 +32,11 @@ class InvalidInput(ApiError):
     status, error_type = 422, "invalid_input"
 
 
+def out_of_range(field: str, value: int, low: int, high: int, setting: str) -> InvalidInput:
+    """The one message of every number out of its range: the field, the range, the setting."""
+    return InvalidInput(f"{field}: must be between {low} and {high} ({setting}), got {value}")
+
+
 class Unanswerable(ApiError):
     status, error_type = 400, "unanswerable_query"
 

@@ -9,22 +9,30 @@ import logging
 import time
 from pathlib import Path
 
-from app.demo.data import DATASETS, WORDS, build_media
-from app.demo.pipeline import ensure_index, run_all
+from app.demo.data import (
+    DATASETS,
+    HELD_OUT_VOICES,
+    TRAIN_VOICES,
+    WORDS,
+    DemoError,
+    build_media,
+)
 from app.demo.recipe import Recipe
-from app.demo.runner import quiet_model_loading
 
 log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument(
+        "--port", type=int, default=8000, help="port the page and the API listen on (default 8000)"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
         "--data-dir",
         type=Path,
         default=Path(".hclip-demo"),
-        help="where the dataset, models and index are built and reused",
+        help="where the dataset, models and index are built and reused (default: .hclip-demo "
+        "under the current directory)",
     )
     p.add_argument(
         "--dataset",
@@ -42,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
+def voice_of(clip: str, word: str) -> str:
+    """The espeak-ng voice a clip was spoken in, from its name (audio/<word>_<voice>_<speed>_
+    <pitch>.wav, the voice's '+' written '_')."""
+    written = Path(clip).stem.removeprefix(f"{word}_").rsplit("_", 2)[0]
+    voices = {v.replace("+", "_"): v for v in (*TRAIN_VOICES, *HELD_OUT_VOICES)}
+    return voices.get(written, written)
+
+
 def write_examples(data: Path) -> None:
     """Held-out media for the page's pickers: never seen in training."""
     media = build_media(data)
@@ -52,9 +68,10 @@ def write_examples(data: Path) -> None:
             for d in range(10)
         ],
         "audio": [
-            {"url": f"/media/{media.clips['held_out'][d][j * 13]}", "label": WORDS[d]}
+            {"url": f"/media/{clip}", "label": WORDS[d], "voice": voice_of(clip, WORDS[d])}
             for j in range(2)
             for d in range(10)
+            for clip in [media.clips["held_out"][d][j * 13]]
         ],
         "text": [media.texts["held_out"][d][0] for d in range(10)],
     }
@@ -62,6 +79,9 @@ def write_examples(data: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from app.demo.pipeline import ensure_index, run_all  # torch: not for the help
+    from app.demo.runner import quiet_model_loading
+
     quiet_model_loading()
     data = args.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
@@ -79,7 +99,12 @@ def run(args: argparse.Namespace) -> int:
         return 0 if results else 1
     from app.core.settings import Settings
     from app.server.serve import serve
+    from app.server.supervisor import PortInUse
 
-    print(f"search page: http://{args.host}:{args.port}/")
-    serve(Settings(root=root, media_dir=data, host=args.host, port=args.port))
+    page = f"http://{args.host}:{args.port}/"
+    settings = Settings(root=root, media_dir=data, host=args.host, port=args.port, workers=1)
+    try:
+        serve(settings, on_listening=lambda: print(f"search page: {page}", flush=True))
+    except PortInUse as exc:
+        raise DemoError(f"{exc}: pass another --port") from None
     return 0

@@ -21,10 +21,9 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, cast
 
-from tqdm import tqdm
-
 from app.demo.data import DemoError
 from app.demo.recipe import Recipe
+from models.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,7 @@ def _worker(data: Path, recipe: Recipe, head: str, seed: int, out: Connection) -
         quiet_model_loading()
         # tqdm's default lock is a multiprocessing one, a named semaphore in a spawned process
         # that nothing unlinks: a thread lock does, as the worker's own bars are never shown.
-        tqdm.set_lock(threading.RLock())
+        Progress.set_lock(threading.RLock())
         from app.demo.evaluate import evaluate
         from app.demo.train import train_stage
         from models.checkpoint import load_model
@@ -78,7 +77,9 @@ def run_heads(
     }
     total = len(heads) * sum(s.steps for s in recipe.stages)
     finished: dict[str, dict[str, Any]] = {}
-    bar = tqdm(total=total, desc=f"training {len(heads)} heads", unit="step", disable=not progress)
+    bar = Progress(
+        total=total, desc=f"training {len(heads)} heads", unit="step", disable=not progress
+    )
     try:
         for h, p in procs.items():
             p.start()

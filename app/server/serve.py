@@ -15,7 +15,9 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from app.core.settings import Settings
 from app.server import supervisor
@@ -24,29 +26,46 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--root", type=Path, help="index root (default: $HCLIP_ROOT)")
-    p.add_argument("--host", help="default: $HCLIP_HOST or 127.0.0.1")
-    p.add_argument("--port", type=int, help="default: $HCLIP_PORT or 8000")
+    p.add_argument(
+        "--root",
+        type=Path,
+        help="the index root to serve (default: $HCLIP_ROOT, else data/index under the "
+        "current directory)",
+    )
+    p.add_argument("--host", help="address to listen on (default: $HCLIP_HOST or 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on (default: $HCLIP_PORT or 8000)")
     p.add_argument(
         "--workers",
         type=int,
-        help="worker processes (default: $HCLIP_WORKERS or 1); about one per core",
+        help="worker processes, each a copy of the service on the same port (default: "
+        "$HCLIP_WORKERS, else one per core)",
     )
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, on_listening: Callable[[], None] | None = None) -> None:
+    """Serve until stopped. `on_listening` (one process only) is called once the server
+    listens, its version loaded: when a user can open the page."""
     import uvicorn
 
     if settings.workers == 1:
         from app.main import create_app
 
-        uvicorn.run(
+        supervisor.reserve(settings.host, settings.port).close()  # a taken port: PortInUse now
+
+        class Server(uvicorn.Server):
+            async def startup(self, sockets: Any = None) -> None:
+                await super().startup(sockets)
+                if on_listening is not None and self.started:
+                    on_listening()
+
+        config = uvicorn.Config(
             create_app(settings),
             host=settings.host,
             port=settings.port,
             log_level="info",
             access_log=False,
         )
+        Server(config).run()
         return
     # Workers read their settings from the environment, forked or spawned.
     os.environ.update(settings.as_environment())
@@ -70,8 +89,19 @@ def worker_gone(pid: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     given = {"root": args.root, "host": args.host, "port": args.port, "workers": args.workers}
+    settings = Settings(**{k: v for k, v in given.items() if v is not None})
+    root = settings.root.resolve()
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        print(
+            f"hclip serve: error: the index root {root} {what} (--root, HCLIP_ROOT; default: "
+            f"data/index under the current directory); build one with `hclip index build "
+            f"--model MODEL_DIR --records RECORDS --root {root}`",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        serve(Settings(**{k: v for k, v in given.items() if v is not None}))
+        serve(settings)
     except supervisor.PortInUse as exc:
         print(f"hclip serve: error: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from app.core.errors import (
     InvalidInput,
     TooLarge,
     Unanswerable,
+    out_of_range,
 )
 from app.core.metrics import Metrics
 from app.core.settings import Settings
@@ -123,11 +124,9 @@ class SearchService:
         s = self.settings
         k = s.default_k if body.k is None else body.k
         if not 1 <= k <= s.max_k:
-            raise InvalidInput(f"k: must be between 1 and {s.max_k} (HCLIP_MAX_K), got {k}")
-        if body.effort is not None and body.effort > s.max_effort:
-            raise InvalidInput(
-                f"effort: at most {s.max_effort} (HCLIP_MAX_EFFORT), got {body.effort}"
-            )
+            raise out_of_range("k", k, 1, s.max_k, "HCLIP_MAX_K")
+        if body.effort is not None and not 1 <= body.effort <= s.max_effort:
+            raise out_of_range("effort", body.effort, 1, s.max_effort, "HCLIP_MAX_EFFORT")
         return k
 
     def check(self, serving: ServingVersion, body: SearchRequest) -> Checked:
@@ -322,9 +321,7 @@ class SearchService:
         queue, the deadline) is that query's own error, in its place."""
         limit = self.settings.max_batch_queries
         if len(queries) > limit:
-            raise InvalidInput(
-                f"queries: at most {limit} (HCLIP_MAX_BATCH_QUERIES), got {len(queries)}"
-            )
+            raise out_of_range("queries", len(queries), 1, limit, "HCLIP_MAX_BATCH_QUERIES")
         checked: list[Checked] = []
         for i, q in enumerate(queries):
             try:
@@ -352,9 +349,7 @@ class SearchService:
             )
         limit = self.settings.max_embed_inputs
         if len(inputs) > limit:
-            raise InvalidInput(
-                f"inputs: at most {limit} inputs (HCLIP_MAX_EMBED_INPUTS), got {len(inputs)}"
-            )
+            raise out_of_range("inputs", len(inputs), 1, limit, "HCLIP_MAX_EMBED_INPUTS")
         fields = [f"inputs[{i}]" for i in range(len(inputs))]
         values = [self._raw(serving, modality, v, f) for v, f in zip(inputs, fields, strict=True)]
         async with self.deadline():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from models.checkpoint import fingerprint, load_model
 from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
+EMPTY_ROOT_LOG_S = 60.0  # how often a root with no published version is said so
 
 
 def open_checked(vdir: Path, level: str) -> LoadedVersion:
@@ -128,6 +130,7 @@ class VersionManager:
         self._models: dict[str, MultimodalModel] = {}
         self._lock = asyncio.Lock()
         self._loaded = asyncio.Event()  # set once a version serves
+        self._told_empty = -math.inf  # when the root was last said to hold no version
         self._search_on_loop = settings.searches_on_loop()
         self.load = load or SearchLoad(machine_cores())
 
@@ -237,6 +240,31 @@ class VersionManager:
             )
             return True
 
+    def publish_hint(self) -> str:
+        root = self.root.resolve()
+        return (
+            f"no index version is published in {root} yet: publish one with `hclip index "
+            f"build --model MODEL_DIR --records RECORDS --root {root}`"
+        )
+
+    def not_ready(self) -> str:
+        """Why no version serves, for /readyz and the log."""
+        version_id = artifact.read_current(self.root)
+        if version_id is None:
+            return self.publish_hint()
+        rejected = self.rejected.get(version_id)
+        if rejected is not None:
+            return f"version {version_id} cannot be served: {rejected.reason}"
+        return f"version {version_id} is being loaded"
+
+    def _tell_if_empty(self) -> None:
+        """At once and then every minute while nothing is published: where, and how."""
+        if self.current is None and artifact.read_current(self.root) is None:
+            now = time.monotonic()
+            if now - self._told_empty >= EMPTY_ROOT_LOG_S:
+                self._told_empty = now
+                log.warning("%s", self.publish_hint())
+
     async def start(self) -> None:
         """The first load, awaited before the worker takes connections: the version CURRENT
         names is opened and warmed up (or refused, and reported), or none is published yet."""
@@ -246,6 +274,7 @@ class VersionManager:
             pass
         except Exception:
             log.exception("checking %s for a new version failed", self.root)
+        self._tell_if_empty()
 
     async def wait_serving(self, timeout_s: float) -> ServingVersion | None:
         """The version that serves; when none does yet but CURRENT names one that is being
@@ -264,6 +293,7 @@ class VersionManager:
 
     async def poll_forever(self) -> None:
         while True:
+            self._tell_if_empty()
             try:
                 await self.refresh()
             except VersionRejected:

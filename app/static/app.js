@@ -66,12 +66,20 @@ function imageControls(name) {
 }
 
 function audioControls(name) {
-  const ex = el("div", { class: "examples" });
+  // One row of examples per voice, labelled with it: the rows say the same words.
+  const rows = new Map();
   for (const item of state.examples.audio || []) {
-    const b = el("button", { type: "button", "data-example": "audio" }, item.label);
-    b.onclick = () => { new Audio(item.url).play().catch(() => {}); pickURL(name, item.url, `clip "${item.label}"`, b); };
-    ex.append(b);
+    const voice = item.voice || "";
+    if (!rows.has(voice)) {
+      rows.set(voice, el("div", { class: "examples", "data-voice": voice },
+        el("span", { class: "voice" }, voice ? `voice ${voice}:` : "")));
+    }
+    const spoken = voice ? `"${item.label}" in voice ${voice}` : `"${item.label}"`;
+    const b = el("button", { type: "button", "data-example": "audio", title: spoken }, item.label);
+    b.onclick = () => { new Audio(item.url).play().catch(() => {}); pickURL(name, item.url, `clip ${spoken}`, b); };
+    rows.get(voice).append(b);
   }
+  const ex = el("div", {}, ...rows.values());
   const file = el("input", { type: "file", accept: "audio/wav,.wav" });
   file.onchange = async () => file.files[0] &&
     setValue(name, await toDataURI(file.files[0]), `uploaded ${file.files[0].name}`);
@@ -161,7 +169,10 @@ function buildQueryForm() {
     const box = el("div", { class: "modality", id: `mod-${name}` },
       el("h3", {}, el("span", {}, `${name} `, el("small", {}, `(${kind})`)), clear),
       el("div", { class: "chosen" }, "not in the query"));
-    clear.onclick = () => setValue(name, null);
+    clear.onclick = () => {  // empties the box's inputs too, so the next typing starts afresh
+      box.querySelectorAll("input, textarea").forEach((i) => { i.value = ""; });
+      setValue(name, null);
+    };
     const controls = kind === "image" ? imageControls(name)
       : kind === "audio" ? audioControls(name) : textControls(name, kind);
     controls.forEach((c) => box.append(c));
@@ -173,20 +184,44 @@ function showError(message) {
   const e = $("#error");
   e.textContent = message;
   e.hidden = !message;
+  if (message) clearResults();  // an error replaces the previous answer: nothing stale stays
+}
+
+function clearResults() {
+  $("#results").replaceChildren();
+  $("#result-meta").textContent = "";
+}
+
+// A record's modality as the page shows it, from the payload the demo stores beside it.
+function shown(kind, p) {
+  if (kind === "image" && p.image_url) return el("img", { src: p.image_url, alt: "image" });
+  if (kind === "audio" && p.audio_url) {
+    return el("audio", { controls: "", preload: "none", src: p.audio_url });
+  }
+  if (kind === "text" && p.text) return el("span", {}, `“${p.text}”`);
+  return null;
 }
 
 function renderResults(body) {
   const list = $("#results");
   list.replaceChildren();
-  $("#result-meta").textContent =
-    `view ${body.view}, version ${body.index_version}${body.cached ? ", from the cache" : ""}`;
+  const modalities = state.info.model.modalities;
+  const query = new Set(body.view.split("+"));
+  const retrieved = Object.keys(modalities).filter((m) => !query.has(m));
+  $("#result-meta").textContent = `view ${body.view}, retrieving ${retrieved.join(" and ")}, ` +
+    `version ${body.index_version}${body.cached ? ", from the cache" : ""}`;
   for (const r of body.results) {
     const p = r.payload || {};
     const item = el("li", { class: "result" });
-    if (p.image_url) item.append(el("img", { src: p.image_url, alt: "image" }));
-    item.append(el("div", {}, el("span", { class: "score" }, r.score.toFixed(3)), ` ${r.id}`));
-    if (p.text) item.append(el("div", {}, `“${p.text}”`));
-    if (p.audio_url) item.append(el("audio", { controls: "", preload: "none", src: p.audio_url }));
+    // What the view retrieved leads the card; the record's other modalities follow, smaller.
+    const lead = el("div", { class: "lead" });
+    const rest = el("div", { class: "minor" });
+    for (const [name, kind] of Object.entries(modalities)) {
+      const node = shown(kind, p);
+      if (node) (query.has(name) ? rest : lead).append(el("div", { "data-modality": name }, node));
+    }
+    item.append(el("div", {}, el("span", { class: "score" }, r.score.toFixed(3)), ` ${r.id}`),
+                lead, rest);
     if (p.digits) item.append(el("div", { class: "meta" },
       Object.entries(p.digits).map(([k, v]) => `${k} ${v}`).join(" · ")));
     list.append(item);
@@ -205,6 +240,7 @@ async function search() {
     });
     const body = await res.json();
     if (!res.ok) { showError(`${body.error_type}: ${body.error}`); return; }
+    showError("");
     renderResults(body);
   } catch (err) {
     showError(String(err));

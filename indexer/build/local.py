@@ -13,7 +13,6 @@ from collections.abc import Generator
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from indexer.build.encode import encode_rows
 from indexer.build.readahead import ahead
@@ -23,6 +22,7 @@ from indexer.ingest.checks import Checked, ChunkChecker
 from indexer.ingest.sources import CHUNK_ROWS, Chunk, RecordFiles
 from indexer.ingest.validate import Rows
 from models.model import MultimodalModel
+from models.progress import Progress
 
 AHEAD_PER_READER = 2  # chunks in flight per reader process
 
@@ -74,7 +74,7 @@ def encode_local(
     chunks: Generator[CheckedChunk, None, None] = ahead(
         _Check(checker), files.chunks(chunk_rows), n_readers, AHEAD_PER_READER * n_readers
     )
-    bar = tqdm(desc="encode", unit="rec", disable=not progress)
+    bar = Progress(desc="encode", unit="rec", disable=not progress)
     before = writer.rows
     try:
         for chunk in chunks:

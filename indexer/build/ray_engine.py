@@ -50,7 +50,6 @@ import ray.data
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 from ray.exceptions import RayTaskError
-from tqdm import tqdm
 
 from indexer.build.encode import encode_rows
 from indexer.build.ray_address import CLIENT_SCHEME, ClusterError, check_reachable
@@ -69,6 +68,7 @@ from indexer.ingest.validate import Rows, Validator
 from models.checkpoint import fingerprint, load_model
 from models.limits import InputError
 from models.model import MultimodalModel
+from models.progress import Progress
 from models.records import RecordError
 
 log = logging.getLogger(__name__)
@@ -376,7 +376,7 @@ class RayJob:
         )
         expected = fingerprint(self.model_dir)
         summaries = []
-        bar = tqdm(desc="encode", unit="rec", disable=not self.progress)
+        bar = Progress(desc="encode", unit="rec", disable=not self.progress)
         rows = plan.remote_rows() if ray_client() else plan.rows()
         try:
             for row in rows:

@@ -23,68 +23,20 @@ from pathlib import Path
 from typing import Any
 
 from indexer.build.views import build_view
-from indexer.search.specs import DEFAULT_TARGET_RECALL, IndexSpec, SpecError
+from indexer.search.specs import IndexSpec, SpecError
 from indexer.store import artifact
 from indexer.store.recordstore import id_hash_of
 from indexer.store.rows import load_rows
 from indexer.store.verify import verify_contents
 from indexer.store.version import LoadedVersion
 from indexer.tune.query_log import read_queries
-from indexer.tune.tuner import FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, SERVED_BATCH, TuneOptions
+from indexer.tune.tuner import FAMILIES, TuneOptions
 from models.checkpoint import fingerprint, load_model
 from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
 
 VIEW_FILES = (".faiss", ".npy", ".rows.npy")  # a view's files, all rebuilt when it is tuned
-
-
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    """`tune` under `hclip index` (indexer.cli passes its subparsers)."""
-    p: argparse.ArgumentParser = subparsers.add_parser(
-        "tune",
-        help="measure index families on the published version's views and publish a new "
-        "version with the fastest that keeps the recall target",
-    )
-    p.add_argument("--root", required=True, type=Path)
-    p.add_argument("--view", help="comma-separated views to tune (default: all)")
-    p.add_argument(
-        "--recall",
-        type=float,
-        default=DEFAULT_TARGET_RECALL,
-        help=f"recall@10 target (default {DEFAULT_TARGET_RECALL})",
-    )
-    p.add_argument(
-        "--queries",
-        type=Path,
-        help="held-out queries: JSON Lines of /v1/search request bodies (e.g. a request log)",
-    )
-    p.add_argument(
-        "--min-speedup",
-        type=float,
-        default=MIN_SPEEDUP,
-        help="an index must serve this many times flat search's queries/s in batches of "
-        f"--served-batch, and be as fast alone (default {MIN_SPEEDUP})",
-    )
-    p.add_argument(
-        "--served-batch",
-        type=int,
-        default=SERVED_BATCH,
-        help="the queries a worker searches at once under load (about the concurrent requests "
-        f"over the workers; default {SERVED_BATCH})",
-    )
-    p.add_argument("--families", help=f"comma-separated subset of {','.join(FAMILIES)}")
-    p.add_argument(
-        "--timing-seconds",
-        type=float,
-        default=MIN_TIMING_S,
-        help=f"each speed measurement runs at least this long, twice (default {MIN_TIMING_S}; "
-        "shorter is noisier)",
-    )
-    p.add_argument("--model", type=Path, help="default: the model that built the version")
-    p.add_argument("--plot", type=Path, help="write each view's frontier as DIR/<view>.png")
-    p.set_defaults(func=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

@@ -64,10 +64,7 @@ class Admission:
     def _reject(self, loc: int, rid: str | None, reason: str) -> None:
         line = unpack(loc)[1]
         rejected = Rejected(line, rid, reason, self.files.file_name(loc))
-        if not self.skip_bad:
-            exc = RecordError(reason, line, rid)
-            if rejected.file is not None:  # name the file as well
-                exc.args = (f"{rejected.where()}: {reason}",)
-            raise exc
+        if not self.skip_bad:  # the error names the file even when it is the only one
+            raise RecordError(reason, line, rid, self.files.files[unpack(loc)[0]].name)
         self.rejected.append(rejected)
         log.warning("skipped: %s: %s", rejected.where(), reason)

@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import faiss
 import numpy as np
 
 DEFAULTS: dict[str, dict[str, int]] = {
@@ -177,6 +176,8 @@ def resolved_params(spec: IndexSpec, n: int) -> dict[str, int]:
 
 
 def new_index(spec: IndexSpec, width: int, n: int) -> Any:
+    import faiss  # here, not at import: the command line reads specs without it
+
     p = resolved_params(spec, n)
     index: Any
     if spec.kind == "hnsw":
@@ -208,6 +209,8 @@ def new_index(spec: IndexSpec, width: int, n: int) -> Any:
 
 def set_search_params(index: Any, spec: IndexSpec) -> None:
     """Search-time parameters are not all serialised by FAISS; reapply them after loading."""
+    import faiss  # here, not at import: the command line reads specs without it
+
     if spec.kind == "hnsw":
         hnsw: Any = faiss.downcast_index(index)
         hnsw.hnsw.efSearch = spec.params["ef_search"]
@@ -220,6 +223,8 @@ def search_params(
 ) -> Any:
     """FAISS search parameters for one call: the effort asked for (ef_search or nprobe) and a
     selector of the allowed positions; None when neither is given."""
+    import faiss  # here, not at import: the command line reads specs without it
+
     if effort is None and allowed is None:
         return None
     lib: Any = faiss  # its type stubs lack the search-parameter classes

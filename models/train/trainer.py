@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from models.checkpoint import CheckpointError, build_model
 from models.config import RESUMABLE_CHANGES, ModelConfig, TrainConfig
 from models.model import MultimodalModel
+from models.progress import Progress
 from models.records import RecordError
 from models.tensor_files import check_tensors
 from models.train.checkpoints import (
@@ -131,7 +131,7 @@ class Trainer:
             self.momentum = copy.deepcopy(self.model.encoders).requires_grad_(False)
         self.step = 0
         self.history: list[dict[str, float]] = []
-        self._bar: tqdm[Any] | None = None
+        self._bar: Progress | None = None
         if checkpoints is not None:
             checkpoints.remove_partial()
         if resume:
@@ -149,7 +149,7 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
         )
         order_gen = torch.Generator().manual_seed(self.cfg.seed)
-        self._bar = bar = tqdm(
+        self._bar = bar = Progress(
             total=self.total,
             initial=self.step,
             desc=f"train {self.model_cfg.head}",

@@ -103,14 +103,52 @@ class SearchPage:
         self._css(f"#mod-{modality} [data-action=record]")[0].click()
         return self._wait_chosen(modality, "your recording")
 
-    def search(self) -> list[str]:
-        """Press Search and wait for the answer; the results' texts (an error fails the test)."""
+    def type_text(self, modality: str, text: str) -> str:
+        """Type into the modality's text box, as a user does (appending to what is there)."""
+        self._css(f"#mod-{modality} input[type=text]")[0].send_keys(text)
+        return self.chosen(modality)
+
+    def clear(self, modality: str) -> None:
+        self._css(f"#mod-{modality} h3 button")[0].click()
+        self.wait.until(lambda d: self.chosen(modality) == "not in the query")
+
+    def text_box(self, modality: str) -> str:
+        return str(self._css(f"#mod-{modality} input[type=text]")[0].get_attribute("value"))
+
+    def _press_search(self) -> None:
         body = self._css("body")[0]
         before = int(body.get_attribute("data-searches") or 0)
         self._css("#search")[0].click()
         self.wait.until(lambda d: int(body.get_attribute("data-searches") or 0) > before)
+
+    def search(self) -> list[str]:
+        """Press Search and wait for the answer; the results' texts (an error fails the test)."""
+        self._press_search()
         assert not self.error(), self.error()
         return [li.text for li in self._css("#results li")]
+
+    def search_failing(self) -> str:
+        """Press Search and wait for the answer, which must be an error; its text."""
+        self._press_search()
+        assert self.error(), "the search was answered without an error"
+        return self.error()
+
+    def results(self) -> list[Any]:
+        return self._css("#results li")
+
+    def voices(self) -> list[str]:
+        """The voices the spoken examples' rows are labelled with."""
+        return [str(r.get_attribute("data-voice")) for r in self._css("[data-voice]")]
+
+    def lead_and_minor(self, card: Any) -> tuple[list[str], list[str]]:
+        """The modalities a result card leads with, and those it shows smaller."""
+        from selenium.webdriver.common.by import By
+
+        def names(selector: str) -> list[str]:
+            found = card.find_elements(By.CSS_SELECTOR, f"{selector} [data-modality]")
+            return sorted(str(n.get_attribute("data-modality")) for n in found)
+
+        return names(".lead"), names(".minor")
 
     def result_meta(self) -> str:
         return str(self._css("#result-meta")[0].text)

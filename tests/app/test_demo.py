@@ -292,6 +292,27 @@ def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: P
             texts = page.search()
             assert len(texts) == 10 and page.result_meta().startswith("view audio,")
             page.screenshot(tmp_path / "recorded.png")
+
+        with SearchPage(url) as page:
+            # the spoken examples come in rows, one per voice, each labelled with it
+            assert sorted(page.voices()) == sorted(HELD_OUT_VOICES), page.voices()
+            # clear empties the text box: what is typed next is the whole query
+            page.type_text("text", "exactly seven")
+            page.clear("text")
+            assert page.text_box("text") == ""
+            assert page.type_text("text", "the number two") == '"the number two"'
+            # each card leads with what the view retrieved: image + text query the audio
+            page.pick("image", 2)
+            page.search()
+            assert page.result_meta().startswith("view image+text, retrieving audio")
+            for card in page.results():
+                assert page.lead_and_minor(card) == (["audio"], ["image", "text"])
+            # an error replaces the answer before it: no stale results under the message
+            page.pick("audio", 1)
+            assert "nothing is left to retrieve" in page.search_failing()
+            assert page.results() == [] and page.result_meta() == ""
+        favicon = client.get("/favicon.ico")
+        assert favicon.status_code == 200 and favicon.headers["content-type"] == "image/svg+xml"
     if os.environ.get("HCLIP_SAVE_SCREENSHOT"):
         shutil.copy(shot, REPO / os.environ["HCLIP_SAVE_SCREENSHOT"])
 

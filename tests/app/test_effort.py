@@ -38,7 +38,9 @@ def test_effort_over_the_bound_is_a_422(approximate) -> None:
     with running(settings_for(root, max_effort=MAX_EFFORT)) as client:
         r = client.post("/v1/search", json=q | {"effort": MAX_EFFORT + 1})
         assert r.status_code == 422, r.text
-        assert f"at most {MAX_EFFORT} (HCLIP_MAX_EFFORT), got {MAX_EFFORT + 1}" in r.text
+        assert (
+            f"must be between 1 and {MAX_EFFORT} (HCLIP_MAX_EFFORT), got {MAX_EFFORT + 1}" in r.text
+        )
         batch = {"queries": [q, q | {"effort": MAX_EFFORT + 1}]}
         r = client.post("/v1/search/batch", json=batch)
         assert r.status_code == 422 and "queries[1].effort" in r.json()["error"], r.text

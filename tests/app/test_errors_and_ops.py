@@ -47,8 +47,13 @@ A = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6]
         ({"query": {"a": A}, "embeddings": {"a": [0.0] * 8}}, 422, "invalid_input", "both raw"),
         ({"query": {"a": A[:3]}}, 422, "invalid_input", "query.a: vector must have length 6"),
         ({"query": {"a": [True, *A[1:]]}}, 422, "validation_error", "query.a"),
-        ({"query": {"a": A}, "k": 0}, 422, "validation_error", "k: Input should be greater"),
-        ({"query": {"a": A}, "k": 51}, 422, "invalid_input", "k: must be between 1 and 50"),
+        # one style for every number out of its range: the field, the range, the setting
+        ({"query": {"a": A}, "k": 0}, 422, "invalid_input", "k: must be between 1 and 50 (HCLIP_"),
+        ({"query": {"a": A}, "k": 51}, 422, "invalid_input", "k: must be between 1 and 50 (HCLIP_"),
+        ({"query": {"a": A}, "k": 10**6}, 422, "invalid_input", "k: must be between 1 and 50"),
+        ({"query": {"a": A}, "k": 2**64}, 422, "invalid_input", "k: must be between 1 and 50"),
+        ({"query": {"a": A}, "effort": 0}, 422, "invalid_input", "effort: must be between 1 and"),
+        ({"query": {"a": A}, "effort": 2**64}, 422, "invalid_input", "effort: must be between"),
         (
             {"query": {"a": A}, "k": True},
             422,

@@ -82,7 +82,7 @@ def test_a_line_that_is_not_a_record_fails_the_build(
     write_raw(tmp_path / "r.jsonl", mutate)
     root = tmp_path / "root"
     assert index_build(mm_model, tmp_path / "r.jsonl", root) == 2
-    assert message in capsys.readouterr().err
+    assert f"r.jsonl, {message}" in capsys.readouterr().err  # the file, its line, what is wrong
     assert artifact.read_current(root) is None
 
 

@@ -59,7 +59,7 @@ def test_bad_records_name_the_line_and_leave_nothing(
     write_jsonl(tmp_path / "train.jsonl", rows)
     out = tmp_path / "model"
     assert main(["train", "--config", str(vector_config), "--out", str(out), "--quiet"]) == 2
-    assert message in capsys.readouterr().err
+    assert f"train.jsonl, {message}" in capsys.readouterr().err  # the file, its line, what
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
