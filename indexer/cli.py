@@ -180,6 +180,12 @@ def _update(args: argparse.Namespace) -> int:
         args.model,
         spec_given=bool(args.spec),
     )
+    if result is None:
+        print(
+            f"nothing to change: no record upserted or deleted (ids to delete not present, or "
+            f"every upsert rejected); version {vdir.name} stays published, none is added"
+        )
+        return 0
     print("\n".join(summary(result)))
     info = result.manifest["update"]
     print(

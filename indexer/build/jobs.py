@@ -276,9 +276,10 @@ def update(
     opts: JobOptions,
     model_dir: Path | None = None,
     spec_given: bool = False,
-) -> JobResult:
+) -> JobResult | None:
     """A new version from the current one: deletes first, then upserts; untouched rows keep
-    their stored embeddings and are never re-encoded.
+    their stored embeddings and are never re-encoded. None, and nothing published, when it
+    would change nothing: no record upserted or deleted, and the same spec, views and fields.
 
     Upserts are validated and encoded (into a side part of the staged version) before any old
     row is dropped, so an invalid upsert of an existing id, left out by --skip-bad, keeps the
@@ -287,6 +288,7 @@ def update(
     """
     if upsert is None and delete is None:
         raise RecordError("update needs --upsert FILE and/or --delete IDS_FILE")
+    layout_given = spec_given or opts.views is not None or opts.filter_fields is not None
     with artifact.root_lock(root):
         artifact.clean_staging(root)
         old = artifact.current_version_dir(root)
@@ -307,6 +309,9 @@ def update(
         if opts.filter_fields is None:
             opts.filter_fields = tuple(manifest.get("filter_fields") or {})
         fields = opts.filter_fields
+        # Each column keeps the type the version it updates gave it (a numeric year stays one).
+        declared = manifest.get("filter_fields") or {}
+        types = {n: str(declared[n]["type"]) for n in fields if n in declared}
         deleted = set(_read_ids(delete)) if delete else set()
         files = RecordFiles.resolve(upsert) if upsert else None
         stage = artifact.staging_dir(root, artifact.new_version_id())
@@ -319,7 +324,7 @@ def update(
             try:
                 encoded = 0
                 if files is not None:
-                    validator = Validator(model, files.base_dir, opts.skip_bad, fields)
+                    validator = Validator(model, files.base_dir, opts.skip_bad, fields, types)
                     admission = Admission(files, opts.skip_bad)
                     encoded = _encode(
                         model, model_dir, files, validator, admission, side_writer, opts
@@ -334,8 +339,11 @@ def update(
             deleted_found = {i for i in deleted if old_store.row_of(i) is not None}
             old_count = len(old_store)
             old_store.close()
+            if encoded == 0 and not deleted_found and not layout_given:
+                shutil.rmtree(stage)  # every skipped record was logged as it was skipped
+                return None
             views = _views_writer(stage, model, opts)
-            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields, views)
+            writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields, views, types)
             try:
                 kept, dropped = _copy_rows(old, model.names, writer, deleted | replaced)
                 appended, _ = _copy_rows(side, model.names, writer)

@@ -158,6 +158,7 @@ class EncodeShards:
         model_dir: str,
         base_dir: str,
         filter_fields: tuple[str, ...],
+        filter_types: dict[str, str],
         shard_dir: str,
         batch_size: int,
     ):
@@ -166,7 +167,9 @@ class EncodeShards:
         torch.set_num_threads(1)  # one CPU per actor: Ray schedules them by it
         self.model = load_model(Path(model_dir))
         self.fingerprint = fingerprint(Path(model_dir))
-        validator = Validator(self.model, Path(base_dir), filter_fields=filter_fields)
+        validator = Validator(
+            self.model, Path(base_dir), filter_fields=filter_fields, filter_types=filter_types
+        )
         self.checker = ChunkChecker(validator)
         self.shard_dir = Path(shard_dir)
         self.batch_size = batch_size
@@ -370,6 +373,7 @@ class RayJob:
                 "model_dir": str(self.model_dir),
                 "base_dir": str(resolved.base_dir),
                 "filter_fields": tuple(validator.filter_fields),
+                "filter_types": dict(validator.filter_types),
                 "shard_dir": str(shard_dir.resolve()),
                 "batch_size": self.batch_size,
             },

@@ -39,11 +39,12 @@ class RowWriter:
         dim: int,
         filter_fields: tuple[str, ...] = (),
         views: FlatViewsWriter | None = None,
+        field_types: dict[str, str] | None = None,
     ):
         self.vdir = vdir
         self.names = names
         self.dim = dim
-        self.store = RecordStoreWriter(vdir, names, filter_fields)
+        self.store = RecordStoreWriter(vdir, names, filter_fields, field_types)
         (vdir / EMBEDDINGS).mkdir(exist_ok=True)
         self.arrays = {n: NpyAppender(vdir / EMBEDDINGS / f"{n}.npy", dim) for n in names}
         self.views = views

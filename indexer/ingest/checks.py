@@ -69,6 +69,7 @@ class ChunkChecker:
         self.cfgs = self.model.cfg.modalities
         self.allowed = set(self.names) | set(RESERVED_KEYS)
         self.fields = validator.filter_fields
+        self.field_types = validator.filter_types
         self.referred = 0  # records the fast checks handed to the reference (for tests, logs)
         self.vector_lines: VectorLines | None = None
         if all(self.cfgs[n].kind in ARRAY_KINDS for n in self.names) and VectorLines.available():
@@ -178,7 +179,7 @@ class ChunkChecker:
         if not self.fields:
             return True  # the common case: no filter fields declared
         try:
-            FieldsWriter.check(payload, self.fields)
+            FieldsWriter.check(payload, self.fields, self.field_types)
         except FieldValueError:
             return False
         return True

@@ -88,6 +88,7 @@ class Validator:
     base_dir: Path
     skip_bad: bool = False
     filter_fields: tuple[str, ...] = ()
+    filter_types: dict[str, str] = field(default_factory=dict)  # the columns an update keeps
     seen: dict[str, int | None] = field(default_factory=dict)
     rejected: list[Rejected] = field(default_factory=list)
 
@@ -104,7 +105,9 @@ class Validator:
         payload = payload_json(obj.get("payload", {}), line, rid)
         if self.filter_fields:
             try:
-                FieldsWriter.check(obj.get("payload") or {}, self.filter_fields)
+                FieldsWriter.check(
+                    obj.get("payload") or {}, self.filter_fields, self.filter_types
+                )
             except FieldValueError as exc:
                 raise RecordError(str(exc), line, rid) from None
         inputs = {}

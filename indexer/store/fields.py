@@ -59,19 +59,27 @@ class FieldsWriter:
     """Collects the declared fields row by row; close() writes each as a numeric or a coded
     column. Memory: 12 bytes per row and field, plus the distinct values."""
 
-    def __init__(self, directory: Path, names: Sequence[str]):
+    def __init__(
+        self, directory: Path, names: Sequence[str], types: Mapping[str, str] | None = None
+    ):
         self.dir = directory / FIELDS_DIR
         self.names = list(names)
+        # A column's type as the version an update starts from declared it: kept, not inferred.
+        self.types = dict(types or {})
         if self.names:
             self.dir.mkdir()
         self._num = {n: NpyAppender(self.dir / f"{n}.num.npy", None, "<f8") for n in self.names}
         self._codes = {n: NpyAppender(self.dir / f"{n}.codes.npy", None, "<i4") for n in self.names}
         self._values: dict[str, dict[str, int]] = {n: {} for n in self.names}
         self._raw: dict[str, list[Scalar]] = {n: [] for n in self.names}
-        self._numeric = dict.fromkeys(self.names, True)
+        self._numeric = {n: self.types.get(n, "numeric") == "numeric" for n in self.names}
 
     @staticmethod
-    def check(payload: Mapping[str, Any], names: Sequence[str]) -> None:
+    def check(
+        payload: Mapping[str, Any], names: Sequence[str], types: Mapping[str, str] | None = None
+    ) -> None:
+        """A record's filterable values: scalars, finite, and numbers where `types` (the
+        columns an update keeps) says the column is numeric."""
         for n in names:
             v = payload.get(n)
             if v is not None and not isinstance(v, str | int | float | bool):
@@ -81,6 +89,11 @@ class FieldsWriter:
                 )
             if isinstance(v, float) and not math.isfinite(v):
                 raise FieldValueError(f"payload.{n}: holds NaN or infinity")
+            if v is not None and types and types.get(n) == "numeric" and not _is_number(v):
+                raise FieldValueError(
+                    f"payload.{n}: {orjson.dumps(v).decode()} does not fit the column's type: "
+                    f"{n!r} is a numeric filter field in the version this update starts from"
+                )
 
     def append(self, payloads: Sequence[bytes]) -> None:
         if not self.names:
@@ -96,6 +109,8 @@ class FieldsWriter:
                     continue
                 if _is_number(v):
                     num[i] = float(v)
+                elif self.types.get(n) == "numeric":  # FieldsWriter.check keeps these out
+                    raise FieldValueError(f"payload.{n}: not a number in a numeric column")
                 else:
                     self._numeric[n] = False
                 key = _key(v)

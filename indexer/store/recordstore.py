@@ -145,11 +145,17 @@ class RecordStoreWriter:
     """Appends rows in order; close() sorts the id hashes. Memory: the hashes (8 bytes/row),
     and the filterable fields' columns (indexer.store.fields)."""
 
-    def __init__(self, vdir: Path, names: Sequence[str], filter_fields: Sequence[str] = ()):
+    def __init__(
+        self,
+        vdir: Path,
+        names: Sequence[str],
+        filter_fields: Sequence[str] = (),
+        field_types: Mapping[str, str] | None = None,
+    ):
         self.dir = vdir / DIR
         self.dir.mkdir()
         self.names = list(names)
-        self.fields = FieldsWriter(self.dir, filter_fields)
+        self.fields = FieldsWriter(self.dir, filter_fields, field_types)
         self.fields_info: dict[str, dict[str, Any]] = {}
         self._ids = open(self.dir / IDS, "wb")  # noqa: SIM115 - closed in close()
         self._payloads = open(self.dir / PAYLOADS, "wb")  # noqa: SIM115

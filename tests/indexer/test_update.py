@@ -182,3 +182,48 @@ def test_an_invalid_upsert_of_an_existing_id_keeps_the_old_record(tmp_path: Path
     }
     assert [r["line"] for r in m["rejected"]] == [1, 3, 4]
     assert verify(new.path) == []
+
+
+def test_an_upsert_keeps_each_filter_column_s_type(tmp_path: Path, capsys) -> None:
+    """A numeric column stays numeric (a value that is not a number is a bad record, named),
+    and a categorical one stays categorical even when the upserts hold only numbers."""
+    base = [dict(r, payload={"year": 2015 + i % 10, "lang": "en"})
+            for i, r in enumerate(vector_records(40, DIMS, seed=0))]  # fmt: skip
+    write_jsonl(tmp_path / "base.jsonl", base)
+    model_dir = make_model_dir(tmp_path / "m")
+    root = tmp_path / "root"
+    assert (
+        index_build(model_dir, tmp_path / "base.jsonl", root, "--filter-fields", "year,lang") == 0
+    )
+    first = artifact.read_current(root)
+    up = [dict(base[0], id="new-0", payload={"year": 2030, "lang": 7}),
+          dict(base[1], id="new-1", payload={"year": "MMXX", "lang": "de"})]  # fmt: skip
+    write_jsonl(tmp_path / "up.jsonl", up)
+    args = ["index", "update", "--root", root, "--upsert", tmp_path / "up.jsonl", "--quiet"]
+
+    assert run_cli(*args) == 2
+    err = capsys.readouterr().err
+    assert "up.jsonl, line 2, id 'new-1': payload.year: \"MMXX\" does not fit" in err, err
+    assert "'year' is a numeric filter field" in err
+    assert artifact.read_current(root) == first
+
+    assert run_cli(*args, "--skip-bad") == 0
+    assert "rejected line 2, id 'new-1': payload.year" in capsys.readouterr().out
+    new = LoadedVersion(artifact.current_version_dir(root))
+    assert new.manifest["filter_fields"]["year"]["type"] == "numeric"
+    assert new.manifest["filter_fields"]["lang"]["type"] == "categorical"
+    view = next(iter(new.views.values()))
+    recent = new.mask_of(view, {"year": {"gte": 2030}})  # a range still works on the column
+    assert [new.records[int(p)]["id"] for p in np.flatnonzero(recent)] == ["new-0"]
+
+
+def test_an_update_that_changes_nothing_publishes_nothing(tmp_path: Path, capsys) -> None:
+    write_jsonl(tmp_path / "base.jsonl", vector_records(20, DIMS, seed=0))
+    root = tmp_path / "root"
+    assert index_build(make_model_dir(tmp_path / "m"), tmp_path / "base.jsonl", root) == 0
+    before = artifact.list_versions(root)
+    (tmp_path / "gone.txt").write_text("never-there\nnor-this\n")
+    assert run_cli("index", "update", "--root", root, "--delete", tmp_path / "gone.txt") == 0
+    assert "nothing to change" in capsys.readouterr().out
+    assert artifact.list_versions(root) == before
+    assert list((root / artifact.STAGING).iterdir()) == []  # no half-made version left
