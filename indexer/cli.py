@@ -115,6 +115,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--version", help="one version (default: all)")
     v.set_defaults(func=_verify)
 
+    r = sub.add_parser(
+        "rollback",
+        help="publish an older version again (default: the newest before the published one), "
+        "after checking every file's checksum; the servers swap to it as to a new version",
+    )
+    r.add_argument("--root", required=True, type=Path, help=ROOT_HELP)
+    r.add_argument("--to", metavar="VERSION", help="the version to publish (`hclip index list`)")
+    r.set_defaults(func=_rollback)
+
     g = sub.add_parser("gc", help="keep the newest N versions and the published one")
     g.add_argument("--root", required=True, type=Path, help=ROOT_HELP)
     g.add_argument("--keep", type=int, default=3, help="the newest versions to keep (default 3)")
@@ -238,6 +247,14 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"CURRENT names {current}, which does not exist")
         bad += 1
     return 1 if bad else 0
+
+
+def _rollback(args: argparse.Namespace) -> int:
+    from indexer.store.verify import verify_files
+
+    was, now = artifact.rollback(args.root, args.to, verify_files)
+    print(f"published version {now} again (was {was or 'none'})")
+    return 0
 
 
 def _gc(args: argparse.Namespace) -> int:

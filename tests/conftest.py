@@ -12,6 +12,15 @@ import torch
 torch.set_num_threads(1)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _own_checked_dir(tmp_path_factory) -> None:
+    """Servers the tests start (in process or not) remember checked versions in a directory
+    of this session's, not in the user's cache."""
+    import os
+
+    os.environ["HCLIP_CHECKED_DIR"] = str(tmp_path_factory.mktemp("checked"))
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

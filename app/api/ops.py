@@ -45,7 +45,7 @@ def _rejected(state: AppState) -> list[dict[str, object]]:
             "version": version,
             "reason": r.reason,
             "attempts": r.attempts,
-            "next_retry_in_s": round(max(0.0, r.retry_at - now), 3),
+            "next_retry_in_s": None if r.files else round(max(0.0, r.retry_at - now), 3),
         }
         for version, r in state.versions.rejected.items()
     ]

@@ -215,7 +215,10 @@ class RejectedVersion(BaseModel):
     version: str
     reason: str
     attempts: int
-    next_retry_in_s: float
+    next_retry_in_s: float | None = Field(
+        description="null: its files failed their checks, and it is tried again only when they "
+        "change or on POST /v1/admin/reload"
+    )
 
 
 class ModelInfo(BaseModel):

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from indexer.store.checked import default_directory
 from models.limits import InputLimits
 
 
@@ -71,10 +72,18 @@ class Settings(BaseSettings):
     poll_interval_s: float = Field(2.0, gt=0, description="how often CURRENT is checked")
     reload_retry_s: float = Field(1.0, gt=0, description="first retry of a rejected version")
     reload_retry_max_s: float = Field(60.0, gt=0, description="backoff doubles up to this")
-    verify_on_load: Literal["quick", "full", "off"] = Field(
-        "quick",
-        description="quick: sizes and small files' checksums, O(1) in the record count; "
-        "full: every checksum and every view's vectors recomputed (as `hclip index verify`)",
+    verify_on_load: Literal["checksums", "quick", "full", "off"] = Field(
+        "checksums",
+        description="checksums: every file's checksum before a version first serves on this "
+        "machine (remembered in HCLIP_CHECKED_DIR, so a restart does not read it again unless "
+        "a file changed); quick: sizes and small files' checksums only, O(1) in the record "
+        "count (an explicit opt-out); full: every checksum and every view's vectors "
+        "recomputed at every load (as `hclip index verify`); off: none",
+    )
+    checked_dir: Path = Field(
+        default_factory=default_directory,
+        description="where this machine remembers the versions whose checksums passed "
+        "(default: $XDG_CACHE_HOME/hclip/checked or ~/.cache/hclip/checked)",
     )
     media_dir: Path | None = Field(None, description="demo media served under /media")
 

@@ -32,6 +32,7 @@ from app.services.batching import (
 from app.services.idle_cores import SearchLoad
 from app.services.threads import WorkerPools
 from indexer.store import artifact
+from indexer.store.checked import CheckedVersions, signature
 from indexer.store.verify import verify_contents, verify_files
 from indexer.store.version import LoadedVersion
 from models.checkpoint import fingerprint, load_model
@@ -41,20 +42,40 @@ log = logging.getLogger(__name__)
 EMPTY_ROOT_LOG_S = 60.0  # how often a root with no published version is said so
 
 
-def open_checked(vdir: Path, level: str) -> LoadedVersion:
+class FailedChecks(VersionRejected):
+    """A version whose files do not match its manifest: refused until its files change."""
+
+
+def signature_or_none(vdir: Path) -> str | None:
+    try:
+        return signature(vdir)
+    except OSError:
+        return None
+
+
+def open_checked(vdir: Path, level: str, checked: CheckedVersions | None = None) -> LoadedVersion:
     """Open a version for serving after the checks `level` asks for (see indexer.store.verify):
-    "quick" costs the same whatever the record count, "full" reads and recomputes it all."""
+    "checksums" reads every file once per machine (`checked` remembers what passed), "quick"
+    costs the same whatever the record count, "full" reads and recomputes it all."""
     version_id = vdir.name
-    problems = verify_files(vdir, full=level == "full") if level != "off" else []
+    if level == "checksums" and checked is not None:
+        problems = checked.check(vdir, verify_files)
+    else:
+        problems = verify_files(vdir, full=level != "quick") if level != "off" else []
     if problems:
-        raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+        raise FailedChecks(f"version {version_id} failed verification: {problems[0]}")
     try:
         index = LoadedVersion(vdir)
     except (artifact.ArtifactError, OSError, RuntimeError, ValueError, KeyError) as exc:
         raise VersionRejected(f"version {version_id} cannot be opened: {exc}") from None
+    if index.version != version_id:  # a copy under another name: it would reload forever
+        raise FailedChecks(
+            f"version {version_id} failed verification: its manifest names version "
+            f"{index.version!r}"
+        )
     problems = verify_contents(vdir) if level == "full" else []
     if problems:
-        raise VersionRejected(f"version {version_id} failed verification: {problems[0]}")
+        raise FailedChecks(f"version {version_id} failed verification: {problems[0]}")
     return index
 
 
@@ -108,6 +129,9 @@ class Rejection:
     reason: str
     attempts: int
     retry_at: float  # time.monotonic()
+    # Set for files that failed their checks: not tried again until the files change (their
+    # signature, indexer.store.checked) or an admin reload asks.
+    files: str | None = None
 
 
 class VersionManager:
@@ -133,12 +157,13 @@ class VersionManager:
         self._told_empty = -math.inf  # when the root was last said to hold no version
         self._search_on_loop = settings.searches_on_loop()
         self.load = load or SearchLoad(machine_cores())
+        self.checked = CheckedVersions(settings.checked_dir)
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers,
         and warm its search path up, so that its first request costs what every other does."""
         index = open_checked(
-            artifact.version_dir(self.root, version_id), self.settings.verify_on_load
+            artifact.version_dir(self.root, version_id), self.settings.verify_on_load, self.checked
         )
         model = self._model_for(index)
         serving = self._serving(index, model)
@@ -184,23 +209,44 @@ class VersionManager:
             )  # fmt: skip
         return serving
 
-    def _reject(self, version_id: str, reason: str) -> Rejection:
+    def _relative(self, reason: str) -> str:
+        """A reason as /v1/info shows it: paths under the root named relative to it."""
+        for root in {str(self.root.resolve()), str(self.root)}:
+            reason = reason.replace(root + "/", "")
+        return reason
+
+    def _reject(self, version_id: str, reason: str, files: str | None) -> Rejection:
         previous = self.rejected.get(version_id)
         attempts = previous.attempts + 1 if previous else 1
         s = self.settings
         delay = min(s.reload_retry_max_s, s.reload_retry_s * 2 ** (attempts - 1))
-        rejection = Rejection(reason, attempts, time.monotonic() + delay)
-        self.rejected[version_id] = rejection
+        rejection = Rejection(self._relative(reason), attempts, time.monotonic() + delay, files)
+        self.rejected = {version_id: rejection}  # only the version CURRENT names matters
         self.metrics.reloads.labels(outcome="rejected").inc()
         self.metrics.rejected_versions.set(len(self.rejected))
+        retry = (
+            "not trying it again until its files change"
+            if files is not None
+            else f"trying again in {delay:.0f} s"
+        )
         log.error(
-            "%s; still serving %s; trying again in %.0f s (attempt %d)",
-            reason,
+            "%s; still serving %s; %s (attempt %d)",
+            rejection.reason,
             self.current.version if self.current else "nothing",
-            delay,
+            retry,
             attempts,
         )
         return rejection
+
+    def _retry_due(self, version_id: str, rejected: Rejection) -> bool:
+        if rejected.files is not None:  # failed its checks: only new files deserve another
+            return signature_or_none(artifact.version_dir(self.root, version_id)) != rejected.files
+        return time.monotonic() >= rejected.retry_at
+
+    def _forget_rejections(self) -> None:
+        if self.rejected:
+            self.rejected = {}
+            self.metrics.rejected_versions.set(0)
 
     async def refresh(self, force: bool = False) -> bool:
         """Load the version CURRENT names if it is new; True when a swap happened. A version
@@ -210,26 +256,28 @@ class VersionManager:
             if version_id is None:
                 return False
             if self.current is not None and self.current.version == version_id:
+                self._forget_rejections()  # CURRENT went back to what serves: nothing refused
                 return False
             rejected = self.rejected.get(version_id)
-            if rejected is not None and not force and time.monotonic() < rejected.retry_at:
+            if rejected is not None and not force and not self._retry_due(version_id, rejected):
                 return False
+            vdir = artifact.version_dir(self.root, version_id)
+            files = signature_or_none(vdir)  # before the checks: what they will have read
             t0 = time.perf_counter()
             try:
                 serving = await asyncio.get_running_loop().run_in_executor(
                     None, self._open, version_id
                 )
             except VersionRejected as exc:
-                self._reject(version_id, exc.message)
+                lasting = isinstance(exc, FailedChecks) and files is not None
+                self._reject(version_id, exc.message, files if lasting else None)
                 raise
             took = time.perf_counter() - t0
             self.metrics.load_seconds.set(took)
             old = self.current
             self.current = serving
             self._loaded.set()
-            # A version CURRENT no longer names will not be tried again.
-            self.rejected.clear()
-            self.metrics.rejected_versions.set(0)
+            self._forget_rejections()  # a version CURRENT no longer names is not tried again
             self.metrics.set_version(version_id)
             self.metrics.reloads.labels(outcome="loaded").inc()
             log.info(

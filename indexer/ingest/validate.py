@@ -105,9 +105,7 @@ class Validator:
         payload = payload_json(obj.get("payload", {}), line, rid)
         if self.filter_fields:
             try:
-                FieldsWriter.check(
-                    obj.get("payload") or {}, self.filter_fields, self.filter_types
-                )
+                FieldsWriter.check(obj.get("payload") or {}, self.filter_fields, self.filter_types)
             except FieldValueError as exc:
                 raise RecordError(str(exc), line, rid) from None
         inputs = {}

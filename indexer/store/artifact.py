@@ -290,6 +290,35 @@ def list_versions(root: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def rollback(
+    root: Path, to: str | None, check: Callable[[Path], list[str]]
+) -> tuple[str | None, str]:
+    """Point CURRENT at an older version (default: the newest one before the published one),
+    once `check` finds nothing wrong with it; as atomic as a publish. (was, now)."""
+    with root_lock(root):
+        current = read_current(root)
+        vroot = root / VERSIONS
+        versions = sorted(p.name for p in vroot.iterdir()) if vroot.is_dir() else []
+        if to is None:
+            older = [v for v in versions if current is None or v < current]
+            if not older:
+                raise ArtifactError(
+                    f"{root}: no version older than the published one ({current}) to roll back to"
+                )
+            to = older[-1]
+        elif to not in versions:
+            raise ArtifactError(
+                f"{root}: no version {to!r} (`hclip index list --root {root}` lists them)"
+            )
+        if to == current:
+            raise ArtifactError(f"{root}: version {to} is already the published one")
+        problems = check(version_dir(root, to))
+        if problems:
+            raise ArtifactError(f"version {to} cannot be published again: {problems[0]}")
+        write_current(root, to)
+        return current, to
+
+
 def gc(root: Path, keep: int) -> list[str]:
     """Keep the newest `keep` versions and the published one; remove the rest."""
     if keep < 1:

@@ -39,6 +39,11 @@ def verify_files(vdir: Path, full: bool = True) -> list[str]:
     except artifact.ArtifactError as exc:
         return [str(exc)]
     problems = []
+    if manifest.get("version") != vdir.name:  # a copy under another name, manifest unedited
+        problems.append(
+            f"{artifact.MANIFEST}: names version {manifest.get('version')!r}, but it lies in "
+            f"directory {vdir.name!r}"
+        )
     files = manifest.get("files", {})
     on_disk = set(artifact.list_files(vdir)) if vdir.is_dir() else set()
     for rel, meta in files.items():
