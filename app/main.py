@@ -70,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             timeout_s=settings.redis_timeout_s,
             retry_s=settings.redis_retry_s,
             metrics=metrics,
+            secret=settings.cache_secret,
         )
         load = SearchLoad(machine_cores())
         versions = VersionManager(settings, metrics, pools, load)

@@ -41,6 +41,11 @@ class Metrics:
         self.cache_errors = Counter(
             "hclip_cache_errors_total", "cache backend failures (Redis down or slow)", registry=r
         )
+        self.cache_rejected = Counter(
+            "hclip_cache_rejected_total",
+            "cache entries that failed their integrity check (answered as misses)",
+            registry=r,
+        )
         self.batch_size = Histogram(
             "hclip_search_batch_size",
             "queries per FAISS call",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +69,14 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(0.05, gt=0, description="per Redis call; slower counts as down")
     redis_retry_s: float = Field(1.0, gt=0, description="after a Redis failure, skip it this long")
     cache_prefix: str = "hclip:v1"
+    cache_secret: str = Field(
+        default_factory=lambda: secrets.token_hex(32),
+        repr=False,
+        min_length=16,
+        description="the key of the MACs that authenticate Redis entries (default: a random "
+        "one per `hclip serve`, shared by its workers; give replicas that share a Redis the "
+        "same one to share their entries)",
+    )
 
     poll_interval_s: float = Field(2.0, gt=0, description="how often CURRENT is checked")
     reload_retry_s: float = Field(1.0, gt=0, description="first retry of a rejected version")

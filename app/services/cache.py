@@ -1,5 +1,11 @@
 """Result and query-embedding caches: Redis when HCLIP_REDIS_URL is set, else an in-process LRU.
 
+What comes back from Redis is trusted only when it carries the MAC this service wrote with it
+(HMAC-SHA256 of the key and the value under HCLIP_CACHE_SECRET): the keys hold the index
+version or the model fingerprint, so an entry is bound to what it was computed from, and
+anything else that can write to Redis (a garbage value, an empty one, a forged answer or
+embedding) only causes a miss, counted in hclip_cache_rejected_total and logged once.
+
 Redis down or slow is never an error: a failed call (bounded by a short timeout) counts as a
 miss, is logged and counted, and Redis is skipped for a short while so that a dead server does
 not add its timeout to every request; after that the next call tries it again, so the cache
@@ -10,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from collections import OrderedDict
@@ -112,9 +119,56 @@ class RedisCache:
             await self.client.aclose()
 
 
+MAC_BYTES = 32
+
+
+class SignedCache:
+    """Another cache's entries, each stored behind the MAC of its key and value."""
+
+    def __init__(self, inner: Cache, secret: str, metrics: Metrics):
+        self.inner = inner
+        self.backend = inner.backend
+        self._secret = secret.encode()
+        self.metrics = metrics
+        self._told = False
+
+    def _mac(self, key: str, value: bytes) -> bytes:
+        return hmac.digest(self._secret, key.encode() + b"\0" + value, "sha256")
+
+    async def get(self, key: str) -> bytes | None:
+        raw = await self.inner.get(key)
+        if raw is None:
+            return None
+        value = raw[MAC_BYTES:]
+        if len(raw) >= MAC_BYTES and hmac.compare_digest(raw[:MAC_BYTES], self._mac(key, value)):
+            return value
+        self.metrics.cache_rejected.inc()
+        if not self._told:
+            self._told = True
+            log.warning(
+                "a cache entry failed its integrity check (written by something else, or under "
+                "another HCLIP_CACHE_SECRET): treated as a miss; hclip_cache_rejected_total "
+                "counts them (key %s)",
+                key,
+            )
+        return None
+
+    async def set(self, key: str, value: bytes, ttl_s: int) -> None:
+        await self.inner.set(key, self._mac(key, value) + value, ttl_s)
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
 def make_cache(
-    redis_url: str | None, *, max_items: int, timeout_s: float, retry_s: float, metrics: Metrics
+    redis_url: str | None,
+    *,
+    max_items: int,
+    timeout_s: float,
+    retry_s: float,
+    metrics: Metrics,
+    secret: str,
 ) -> Cache:
-    if redis_url:
-        return RedisCache(redis_url, timeout_s, retry_s, metrics)
-    return MemoryCache(max_items)
+    if redis_url:  # shared with whatever else reaches it: entries are authenticated
+        return SignedCache(RedisCache(redis_url, timeout_s, retry_s, metrics), secret, metrics)
+    return MemoryCache(max_items)  # this process's own memory: nothing else writes it
