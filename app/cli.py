@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import logging
 import os
 import select
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from app.core.logs import configure_logging
 
@@ -102,7 +104,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(exc, user_errors()):
             print(f"hclip {args.command}: error: {exc}", file=sys.stderr)
             return 2
+        if isinstance(exc, OSError) and exc.errno in FILESYSTEM_ERRNOS and exc.filename:
+            from indexer.store.artifact import storage_error  # light: no torch
+
+            doing = f"hclip {args.command}"
+            print(f"{doing}: error: {storage_error(exc, 'stopped', Path(exc.filename))}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
         raise
+
+
+# A filesystem's refusals (full, read-only, gone, forbidden): the user's to fix, in one line.
+FILESYSTEM_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG, errno.EACCES, errno.EPERM,
+    errno.ENOENT, errno.ENOTDIR, errno.EISDIR,
+}  # fmt: skip
 
 
 def user_errors() -> tuple[type[Exception], ...]:

@@ -221,6 +221,10 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
             return _finish(
                 root, stage, model, block, opts, rejected, parent, extra, info, timings, views
             )
+        except OSError as exc:  # the disk full, say: one line, nothing published or left
+            shutil.rmtree(stage, ignore_errors=True)
+            doing = f"writing version {stage.name} under {root}; nothing was published"
+            raise artifact.storage_error(exc, doing, stage) from None
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise
@@ -379,6 +383,10 @@ def update(
                 timings,
                 views,
             )
+        except OSError as exc:  # the disk full, say: one line, nothing published or left
+            shutil.rmtree(stage, ignore_errors=True)
+            doing = f"writing version {stage.name} under {root}; nothing was published"
+            raise artifact.storage_error(exc, doing, stage) from None
         except BaseException:
             shutil.rmtree(stage, ignore_errors=True)
             raise

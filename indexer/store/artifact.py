@@ -52,6 +52,39 @@ class ArtifactError(RuntimeError):
     """The index root or a version in it is missing, locked, or inconsistent."""
 
 
+class StorageError(ArtifactError):
+    """The filesystem failed a job (full, read-only, gone): what it was doing, where, and the
+    free space there, in one line."""
+
+
+FULL_BYTES = 1 << 20  # less free than this where a write fell short: the filesystem is full
+
+
+def _readable_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def storage_error(exc: OSError, doing: str, where: Path) -> StorageError:
+    """`exc` (raised while `doing` something under `where`) as one line for the user."""
+    path = Path(exc.filename) if exc.filename else where
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    why = exc.strerror or str(exc)  # numpy's short write has no errno: "N requested and M..."
+    try:
+        usage = shutil.disk_usage(probe)
+        free = f"{_readable_bytes(usage.free)} free of {_readable_bytes(usage.total)} there"
+        if exc.errno is None and usage.free < FULL_BYTES:
+            why += " (the filesystem is full)"
+    except OSError:
+        free = "free space unknown"
+    return StorageError(f"{doing}: {why} ({path}; {free})")
+
+
 def new_version_id() -> str:
     """Sortable by creation time, unique across concurrent hosts."""
     now = time.time()
