@@ -101,7 +101,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.router.route_class = ApiRoute
     handlers.install(app)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_bytes,
+        timeout_s=settings.body_timeout_s,
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
     # outermost: every response gets its request id and the instance that answered it

@@ -18,6 +18,7 @@ messages.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -28,17 +29,28 @@ from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import serving_of
-from app.api.http import parse_json
-from app.api.middleware import body_too_large, internal_error_body, request_id_of
+from app.api.http import OFF_LOOP_BYTES, JsonLimits, limits_of, parse_json
+from app.api.middleware import (
+    body_too_large,
+    error_body,
+    internal_error_body,
+    receive_within,
+    request_id_of,
+)
 from app.api.schemas import SearchRequest
-from app.core.errors import ApiError, retry_after
+from app.core.errors import ApiError, BodyTimeout, retry_after
 from app.core.metrics import Metrics
 from app.services.state import AppState
 
 log = logging.getLogger(__name__)
 
 PATH = "/v1/search"
+CLOSE = [(b"connection", b"close")]
 JSON_TYPES = (b"application/json", b"application/json; charset=utf-8")
+
+
+def _validated(body: bytes, limits: JsonLimits) -> SearchRequest:
+    return SearchRequest.model_validate(parse_json(body, limits))
 
 
 def is_fast_path(scope: Scope) -> bool:
@@ -73,25 +85,37 @@ class SearchFastPath:
             return
         chunks: list[bytes] = []
         size = 0
+        rid = request_id_of(scope)
+        scope.setdefault("state", {})["request_id"] = rid  # the routed path keeps it, if replayed
+        receive = receive_within(receive, hclip.settings.body_timeout_s)
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except BodyTimeout as exc:
+                await self._send(scope, send, start, exc.status, error_body(exc, rid), CLOSE, rid)
+                return
             if message["type"] != "http.request":
                 return  # the client left before sending its body: nobody to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._send(scope, send, start, 413, body_too_large(self.max_body_bytes))
+                too_large = body_too_large(self.max_body_bytes, rid)
+                await self._send(scope, send, start, 413, too_large, rid=rid)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        limits = limits_of(hclip.settings)
         try:
-            request = SearchRequest.model_validate(parse_json(body, hclip.settings.max_json_depth))
+            if len(body) > OFF_LOOP_BYTES:  # parsed and validated on a thread
+                request = await asyncio.to_thread(_validated, body, limits)
+            else:
+                request = _validated(body, limits)
         except (json.JSONDecodeError, ValidationError):
             await self._replay(scope, receive, send, body)  # its 422, as the routed path words it
             return
-        await self._answer(scope, send, start, hclip, request)
+        await self._answer(scope, send, start, hclip, request, rid)
 
     async def _replay(self, scope: Scope, receive: Receive, send: Send, body: bytes) -> None:
         """The routed application, given the body already read."""
@@ -107,10 +131,14 @@ class SearchFastPath:
         await self.routed(scope, replayed, send)
 
     async def _answer(
-        self, scope: Scope, send: Send, start: float, hclip: AppState, request: SearchRequest
+        self,
+        scope: Scope,
+        send: Send,
+        start: float,
+        hclip: AppState,
+        request: SearchRequest,
+        rid: str,
     ) -> None:
-        rid = request_id_of(scope)
-        scope.setdefault("state", {})["request_id"] = rid
         extra: list[tuple[bytes, bytes]] = []
         try:
             status, body = 200, await hclip.search.search(await serving_of(hclip), request)

@@ -9,6 +9,8 @@ One status per class of mistake:
   or no view exists for its modalities);
 - 413 `too_large`: a body, a medium, an image's pixels, an audio clip or a text over its limit;
 - 401 `unauthorized`, 404 `not_found`, 405 `method_not_allowed`;
+- 408 `body_timeout`: the body did not arrive within HCLIP_BODY_TIMEOUT_S (the connection is
+  closed);
 - 409 `version_rejected`: an admin reload found a version that cannot be served;
 - 503 `not_ready`, `overloaded` (a queue is full) and `deadline_exceeded` (the request ran
   past HCLIP_REQUEST_TIMEOUT_S), with Retry-After;
@@ -51,6 +53,10 @@ class NotFound(ApiError):
 
 class Unauthorized(ApiError):
     status, error_type = 401, "unauthorized"
+
+
+class BodyTimeout(ApiError):
+    status, error_type = 408, "body_timeout"
 
 
 class NotReady(ApiError):

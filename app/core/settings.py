@@ -49,6 +49,18 @@ class Settings(BaseSettings):
         4096, ge=1, description="the largest ef_search or nprobe a request may ask for"
     )
     max_json_depth: int = Field(32, ge=2, description="nesting of [ and { in a request body")
+    max_json_members: int = Field(
+        10_000, ge=16, description="object members in a request body, all objects together"
+    )
+    max_json_values: int = Field(
+        1_000_000, ge=1024, description="array items and object members in a request body"
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="a request body must have arrived this long after the request "
+        "began, else 408 and the connection is closed",
+    )
     # Limits on one raw input, checked before any decoding (models.inputs.InputLimits).
     max_media_bytes: int = Field(6 * 1024 * 1024, ge=1024, description="one image or clip")
     max_image_pixels: int = Field(4096 * 4096, ge=64, description="width x height, from the header")

@@ -65,6 +65,10 @@ class Admission:
         line = unpack(loc)[1]
         rejected = Rejected(line, rid, reason, self.files.file_name(loc))
         if not self.skip_bad:  # the error names the file even when it is the only one
-            raise RecordError(reason, line, rid, self.files.files[unpack(loc)[0]].name)
+            if rejected.file is None:
+                raise RecordError(reason, line, rid, self.files.files[0].name)
+            exc = RecordError(reason, line, rid)
+            exc.args = (f"{rejected.where()}: {reason}",)  # `line 3 of part-1.jsonl, id ...`
+            raise exc
         self.rejected.append(rejected)
         log.warning("skipped: %s: %s", rejected.where(), reason)

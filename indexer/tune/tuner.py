@@ -573,7 +573,10 @@ class Tuner:
             (
                 p
                 for p in self.points
-                if p.meets and p.speedup_batch >= self.min_speedup and p.speedup_single >= 1.0
+                # as fast alone as flat search too, unless no speed-up is asked for at all
+                if p.meets
+                and p.speedup_batch >= self.min_speedup
+                and p.speedup_single >= min(1.0, self.min_speedup)
             ),
             key=lambda p: -p.speedup_batch,
         )
