@@ -124,13 +124,14 @@ FILESYSTEM_ERRNOS = {
 def user_errors() -> tuple[type[Exception], ...]:
     """A user's mistakes, told apart from bugs: one line on stderr and exit status 2 (the
     modules are light; the command that raised one has imported them anyway)."""
+    from app.api.auth import KeyFileError
     from app.demo.data import DemoError
     from indexer.cli import USER_ERRORS as INDEX_ERRORS
     from models.extras import ExtraMissing
     from models.limits import InputError
     from models.train.cli import USER_ERRORS
 
-    return (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError, ExtraMissing)
+    return (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError, ExtraMissing, KeyFileError)
 
 
 # Commands whose work is complete and durable when main() returns (an index version is fsynced

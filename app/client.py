@@ -217,6 +217,7 @@ class _Settings:
         backoff_s: float,
         max_wait_s: float,
         headers: Mapping[str, str] | None,
+        api_key: str | None,
     ):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
@@ -224,6 +225,8 @@ class _Settings:
         self.backoff_s = backoff_s
         self.max_wait_s = max_wait_s
         self.headers = dict(headers or {})
+        if api_key is not None:  # a server with HCLIP_API_KEYS set
+            self.headers["Authorization"] = f"Bearer {api_key}"
         self._info: Info | None = None
 
     def decide(self, r: httpx.Response | None, attempt: int) -> float | None:
@@ -247,8 +250,9 @@ class Client(_Settings):
         max_wait_s: float = 10.0,
         headers: Mapping[str, str] | None = None,
         transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
     ):
-        super().__init__(base_url, timeout, retries, backoff_s, max_wait_s, headers)
+        super().__init__(base_url, timeout, retries, backoff_s, max_wait_s, headers, api_key)
         self._http = httpx.Client(
             base_url=self.base_url, timeout=timeout, headers=self.headers, transport=transport
         )
@@ -348,8 +352,9 @@ class AsyncClient(_Settings):
         max_wait_s: float = 10.0,
         headers: Mapping[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ):
-        super().__init__(base_url, timeout, retries, backoff_s, max_wait_s, headers)
+        super().__init__(base_url, timeout, retries, backoff_s, max_wait_s, headers, api_key)
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=timeout, headers=self.headers, transport=transport
         )

@@ -17,6 +17,7 @@ from starlette.types import Receive, Scope, Send
 
 from app.api import handlers, ops, page, records, search
 from app.api import openapi as api_doc
+from app.api.auth import Keys
 from app.api.fastpath import SearchFastPath, is_fast_path
 from app.api.http import ApiRoute, JSONResponse
 from app.api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
@@ -100,6 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         default_response_class=JSONResponse,
     )
     app.router.route_class = ApiRoute
+    app.state.keys = Keys.of(settings)  # read keys, checked by the routes and the fast path
     handlers.install(app)
     app.add_middleware(
         BodyLimitMiddleware,

@@ -28,6 +28,7 @@ import orjson
 from pydantic import ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.auth import matches, presented, refused
 from app.api.deps import serving_of
 from app.api.http import OFF_LOOP_BYTES, JsonLimits, limits_of, parse_json
 from app.api.middleware import (
@@ -46,6 +47,7 @@ log = logging.getLogger(__name__)
 
 PATH = "/v1/search"
 CLOSE = [(b"connection", b"close")]
+UNAUTHORIZED = [(b"www-authenticate", b"Bearer")]
 JSON_TYPES = (b"application/json", b"application/json; charset=utf-8")
 
 
@@ -73,9 +75,12 @@ class SearchFastPath:
         """Only for requests is_fast_path(scope) accepts (app.main.App asks first)."""
         start = time.perf_counter()
         content_type = b""
+        authorization = None
         for name, value in scope["headers"]:
             if name == b"content-type":
                 content_type = value.lower()
+            elif name == b"authorization":
+                authorization = value
             elif name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
                 await self.routed(scope, receive, send)  # the routed path answers its 413
                 return
@@ -83,10 +88,14 @@ class SearchFastPath:
         if content_type not in JSON_TYPES or hclip is None:
             await self.routed(scope, receive, send)
             return
-        chunks: list[bytes] = []
-        size = 0
         rid = request_id_of(scope)
         scope.setdefault("state", {})["request_id"] = rid  # the routed path keeps it, if replayed
+        if not matches(presented(authorization), scope["app"].state.keys.read):
+            body = error_body(refused("this route"), rid)
+            await self._send(scope, send, start, 401, body, UNAUTHORIZED, rid)
+            return
+        chunks: list[bytes] = []
+        size = 0
         receive = receive_within(receive, hclip.settings.body_timeout_s)
         while True:
             try:

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header
 from starlette.responses import Response
 
+from app.api.auth import MetricsKey, ReadKey
 from app.api.deps import Serving, State
 from app.api.docs import errors
 from app.api.http import ApiRoute, JSONResponse
@@ -64,7 +65,8 @@ def _view_info(entry: dict[str, Any]) -> dict[str, Any]:
 @router.get(
     "/v1/info",
     response_model=InfoResponse,
-    responses=errors(503),
+    responses=errors(401, 503),
+    dependencies=[ReadKey],
     summary="The model, the loaded index version, its views and counts",
 )
 async def info(state: State, serving: Serving) -> JSONResponse:
@@ -93,6 +95,7 @@ async def info(state: State, serving: Serving) -> JSONResponse:
 @router.get(
     "/metrics",
     response_class=Response,
+    dependencies=[MetricsKey],
     responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
     summary="Prometheus metrics, text format",
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
+from app.api.auth import ReadKey
 from app.api.deps import Serving
 from app.api.docs import errors
 from app.api.http import ApiRoute, JSONResponse
@@ -11,7 +12,7 @@ from app.api.schemas import RecordEmbeddingsResponse, RecordResponse
 from app.core.errors import NotFound
 from app.services.versions import ServingVersion
 
-router = APIRouter(route_class=ApiRoute)
+router = APIRouter(route_class=ApiRoute, dependencies=[ReadKey])
 
 
 def _row(serving: ServingVersion, record_id: str) -> int:
@@ -24,7 +25,7 @@ def _row(serving: ServingVersion, record_id: str) -> int:
 @router.get(
     "/v1/records/{record_id}",
     response_model=RecordResponse,
-    responses=errors(404, 503),
+    responses=errors(401, 404, 503),
     summary="A record's payload and modalities",
 )
 async def record(record_id: str, serving: Serving) -> JSONResponse:
@@ -35,7 +36,7 @@ async def record(record_id: str, serving: Serving) -> JSONResponse:
 @router.get(
     "/v1/records/{record_id}/embeddings",
     response_model=RecordEmbeddingsResponse,
-    responses=errors(404, 503),
+    responses=errors(401, 404, 503),
     summary="A record's stored per-modality embeddings (to recompute any score)",
 )
 async def record_embeddings(record_id: str, serving: Serving) -> JSONResponse:

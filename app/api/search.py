@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from starlette.responses import Response
 
+from app.api.auth import ReadKey
 from app.api.deps import Serving, State
 from app.api.docs import errors
 from app.api.http import ApiRoute
@@ -18,14 +19,14 @@ from app.api.schemas import (
     SearchResponse,
 )
 
-router = APIRouter(route_class=ApiRoute)
+router = APIRouter(route_class=ApiRoute, dependencies=[ReadKey])
 JSON = "application/json"
 
 
 @router.post(
     "/v1/search",
     response_model=SearchResponse,
-    responses=errors(400, 413, 422, 503),
+    responses=errors(400, 401, 408, 413, 422, 503),
     summary="Nearest records for a query of one or more modalities",
 )
 async def search(body: SearchRequest, state: State, serving: Serving) -> Response:
@@ -35,7 +36,7 @@ async def search(body: SearchRequest, state: State, serving: Serving) -> Respons
 @router.post(
     "/v1/search/batch",
     response_model=BatchSearchResponse,
-    responses=errors(400, 413, 422, 503),
+    responses=errors(400, 401, 408, 413, 422, 503),
     summary="Several searches in one request, answered in order, each with its own error",
 )
 async def search_batch(body: BatchSearchRequest, state: State, serving: Serving) -> Response:
@@ -45,7 +46,7 @@ async def search_batch(body: BatchSearchRequest, state: State, serving: Serving)
 @router.post(
     "/v1/embed",
     response_model=EmbedResponse,
-    responses=errors(413, 422, 503),
+    responses=errors(401, 408, 413, 422, 503),
     summary="Embeddings of raw inputs of one modality",
 )
 async def embed(body: EmbedRequest, state: State, serving: Serving) -> Response:

@@ -26,6 +26,15 @@ class Settings(BaseSettings):
     root: Path = Field(Path("data/index"), description="index root (docs/design.md §5)")
     redis_url: str | None = Field(None, description="unset: an in-process LRU cache")
     admin_token: str | None = Field(None, description="bearer token for /v1/admin/*; unset: off")
+    api_keys: str | None = Field(
+        None,
+        repr=False,
+        description="comma-separated keys for the read routes (app.api.auth); unset: open",
+    )
+    api_keys_file: Path | None = Field(None, description="more read keys, one per line")
+    metrics_key: str | None = Field(
+        None, repr=False, description="the key of /metrics (default: the read keys)"
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(

@@ -234,7 +234,7 @@ async function search() {
   if (names.length === 0) { showError("choose at least one modality"); return; }
   $("#status").textContent = "searching…";
   try {
-    const res = await fetch("/v1/search", {
+    const res = await api("/v1/search", {
       method: "POST", headers: { "Content-Type": "application/json" },
       body: JSON.stringify({ query: state.query, k: Number($("#k").value) || 10 }),
     });
@@ -251,11 +251,31 @@ async function search() {
   }
 }
 
+// The server's read key (HCLIP_API_KEYS), when it asks for one: kept for this tab only.
+function api(url, opts = {}) {
+  const key = sessionStorage.getItem("hclip-key");
+  const headers = { ...(opts.headers || {}), ...(key ? { Authorization: `Bearer ${key}` } : {}) };
+  return fetch(url, { ...opts, headers });
+}
+
+function askForKey(wrong) {
+  const form = $("#key-form");
+  form.hidden = false;
+  $("#info").textContent = wrong ? "that key was refused: try another" : "this server needs an API key";
+  form.onsubmit = (e) => {
+    e.preventDefault();
+    sessionStorage.setItem("hclip-key", $("#key").value.trim());
+    form.hidden = true;
+    main();
+  };
+}
+
 async function main() {
-  const res = await fetch("/v1/info");
+  const res = await api("/v1/info");
+  if (res.status === 401) { askForKey(sessionStorage.getItem("hclip-key") !== null); return; }
   if (!res.ok) { $("#info").textContent = "no index loaded yet: reload in a moment"; return; }
   state.info = await res.json();
-  const ex = await fetch("/v1/demo/examples");
+  const ex = await api("/v1/demo/examples");
   if (ex.ok) state.examples = await ex.json();
   const m = state.info.model;
   $("#info").textContent = `${m.head} model ${m.fingerprint}, d = ${m.d}; index ${state.info.index_version}, ` +

@@ -1,0 +1,72 @@
+"""Optional API keys for reads: absent, wrong and right keys on every read route (the fast path
+and the routed one), /metrics with a key of its own, health and the page open, the client
+sending its key; a keys file that cannot be read stops the start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from app.api.auth import KeyFileError
+from app.client import Client, HclipError
+from app.main import create_app
+from tests.app.conftest import running, settings_for
+
+JSON = {"content-type": "application/json"}
+
+
+def reads(rows: list[dict]) -> list[tuple[str, str, dict | None]]:
+    q = {"query": {"a": rows[0]["a"]}, "k": 3}
+    return [
+        ("POST", "/v1/search", q),  # the fast path
+        ("POST", "/v1/search/batch", {"queries": [q]}),
+        ("POST", "/v1/embed", {"modality": "a", "inputs": [rows[0]["a"]]}),
+        ("GET", f"/v1/records/{rows[0]['id']}", None),
+        ("GET", f"/v1/records/{rows[0]['id']}/embeddings", None),
+        ("GET", "/v1/info", None),
+    ]
+
+
+def test_read_routes_need_a_key_and_health_stays_open(vector_index, tmp_path: Path) -> None:
+    root, _, rows = vector_index
+    (tmp_path / "keys").write_text("# one key a line\nfrom-file\n")
+    settings = settings_for(
+        root, api_keys="alpha, beta", api_keys_file=tmp_path / "keys", metrics_key="scrape"
+    )
+    with running(settings) as client:
+        for method, path, body in reads(rows):
+            for header in (None, "Bearer", "Bearer wrong", "Basic alpha", "Bearer alph"):
+                headers = {"authorization": header} if header else {}
+                r = client.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, header, r.text)
+                assert r.json()["error_type"] == "unauthorized" and r.json()["request_id"]
+            for key in ("alpha", "beta", "from-file"):
+                r = client.request(
+                    method, path, json=body, headers={"authorization": f"Bearer {key}"}
+                )
+                assert r.status_code == 200, (path, key, r.text)
+        assert client.get("/metrics", headers={"authorization": "Bearer alpha"}).status_code == 401
+        assert client.get("/metrics", headers={"authorization": "Bearer scrape"}).status_code == 200
+        for open_path in ("/healthz", "/readyz", "/", "/openapi.json", "/static/app.js"):
+            assert client.get(open_path).status_code == 200, open_path
+        url = str(client.base_url)
+        with Client(url, api_key="beta") as hclip:
+            assert len(hclip.search({"a": rows[0]["a"]}, k=3).hits) == 3
+        with Client(url) as hclip, pytest.raises(HclipError) as refused:
+            hclip.search({"a": rows[0]["a"]}, k=3)
+        assert refused.value.status == 401
+
+
+def test_without_keys_reads_are_open(vector_index) -> None:
+    root, _, rows = vector_index
+    with running(settings_for(root)) as client:
+        for method, path, body in reads(rows):
+            assert client.request(method, path, json=body).status_code == 200, path
+        assert client.get("/metrics").status_code == 200
+
+
+def test_an_unreadable_keys_file_stops_the_start(tmp_path: Path) -> None:
+    settings = settings_for(tmp_path, api_keys_file=tmp_path / "missing")
+    with pytest.raises(KeyFileError, match=r"HCLIP_API_KEYS_FILE .*missing"):
+        create_app(settings)
