@@ -176,6 +176,13 @@ class Settings(BaseSettings):
             max_abs_value=self.max_abs_value,
         )
 
+    @field_validator("cache_secret", mode="before")
+    @classmethod
+    def _secret_when_empty(cls, value: Any) -> Any:
+        # An empty HCLIP_CACHE_SECRET (compose passes one through when the shell has none)
+        # means unset: a random one.
+        return secrets.token_hex(32) if value in (None, "") else value
+
     @field_validator("verify_on_load", mode="before")
     @classmethod
     def _legacy_bool(cls, value: Any) -> Any:
