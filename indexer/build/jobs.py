@@ -202,7 +202,7 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
     with artifact.root_lock(root):
         artifact.clean_staging(root)
         stage = artifact.staging_dir(root, artifact.new_version_id())
-        try:
+        with artifact.removed_on_failure(root, stage):
             fields = opts.filter_fields or ()
             views = _views_writer(stage, model, opts)
             writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields, views)
@@ -221,13 +221,6 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
             return _finish(
                 root, stage, model, block, opts, rejected, parent, extra, info, timings, views
             )
-        except OSError as exc:  # the disk full, say: one line, nothing published or left
-            shutil.rmtree(stage, ignore_errors=True)
-            doing = f"writing version {stage.name} under {root}; nothing was published"
-            raise artifact.storage_error(exc, doing, stage) from None
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
 
 
 def _read_ids(path: Path) -> list[str]:
@@ -319,7 +312,7 @@ def update(
         deleted = set(_read_ids(delete)) if delete else set()
         files = RecordFiles.resolve(upsert) if upsert else None
         stage = artifact.staging_dir(root, artifact.new_version_id())
-        try:
+        with artifact.removed_on_failure(root, stage):
             side = stage / UPSERTS
             side.mkdir()
             side_writer = RowWriter(side, model.names, model.cfg.latent_dim)
@@ -383,13 +376,6 @@ def update(
                 timings,
                 views,
             )
-        except OSError as exc:  # the disk full, say: one line, nothing published or left
-            shutil.rmtree(stage, ignore_errors=True)
-            doing = f"writing version {stage.name} under {root}; nothing was published"
-            raise artifact.storage_error(exc, doing, stage) from None
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
 
 
 def _previous_spec(manifest: dict[str, Any]) -> IndexSpec:

@@ -140,7 +140,7 @@ def tune_version(
                 other,
             )
         stage = artifact.staging_dir(root, artifact.new_version_id())
-        try:
+        with artifact.removed_on_failure(root, stage):
             rebuilt = {f"{artifact.VIEWS}/{v}{ext}" for v in chosen for ext in VIEW_FILES}
             for rel in manifest["files"]:
                 if rel not in rebuilt:
@@ -168,8 +168,5 @@ def tune_version(
                 },
             }
             path = artifact.publish(root, stage, new, _check)
-        except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
-            raise
     log.info("published version %s (views tuned: %s)", stage.name, ", ".join(chosen))
     return path, new

@@ -68,6 +68,21 @@ def _readable_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+@contextmanager
+def removed_on_failure(root: Path, stage: Path) -> Iterator[None]:
+    """The work on a staged version: on any failure the stage is removed (nothing is left
+    behind), and a filesystem's (the disk full, say) becomes one line for the user."""
+    try:
+        yield
+    except OSError as exc:
+        shutil.rmtree(stage, ignore_errors=True)
+        doing = f"writing version {stage.name} under {root}; nothing was published"
+        raise storage_error(exc, doing, stage) from None
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+
+
 def storage_error(exc: OSError, doing: str, where: Path) -> StorageError:
     """`exc` (raised while `doing` something under `where`) as one line for the user."""
     path = Path(exc.filename) if exc.filename else where
