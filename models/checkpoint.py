@@ -16,7 +16,7 @@ from typing import Any
 from safetensors.torch import save_file
 
 from models.config import ConfigError, ModelConfig
-from models.errors import CheckpointError
+from models.errors import CheckpointError, PretrainedError
 from models.model import MultimodalModel
 from models.plugins import PluginError, plugin_identity
 from models.tensor_files import check_tensors, read_tensors, replace_dir
@@ -148,4 +148,22 @@ def fingerprint(model_dir: str | Path) -> str:
     _hash_file(model_dir / WEIGHTS_FILE, h)
     if plugins:  # absent otherwise, so that models without plugins keep their fingerprints
         h.update(json.dumps(plugins, sort_keys=True).encode())
+    towers = _pretrained_block(cfg)
+    if towers:  # likewise: the pretrained towers' names, revisions and files
+        h.update(json.dumps(towers, sort_keys=True).encode())
     return h.hexdigest()[:16]
+
+
+def _pretrained_block(cfg: ModelConfig) -> dict[str, Any]:
+    from models.encoders.pretrained import identity
+
+    out: dict[str, Any] = {}
+    for name in cfg.names:
+        m = cfg.modalities[name]
+        if m.kind == "transformers":
+            assert m.model is not None
+            try:
+                out[name] = identity(m.model)
+            except PretrainedError as exc:
+                raise CheckpointError(f"modalities.{name}.model: {exc}") from None
+    return out

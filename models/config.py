@@ -12,7 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENCODER_KINDS = ("vector", "embedding", "text", "image", "audio", "plugin")
+ENCODER_KINDS = ("vector", "embedding", "text", "image", "audio", "plugin", "transformers")
+PRETRAINED_INPUTS = ("image", "audio", "text")
+POOLINGS = ("auto", "pooled", "mean", "cls")
+PRETRAINED_MAPS = ("linear", "mlp")
 HEADS = ("hclip", "sum_of_pairs", "symile", "clip")
 LOSSES = ("full_conditional", "pairwise")
 EMBEDDING_MAPS = ("none", "linear")
@@ -70,7 +73,11 @@ def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
 
 # Keys that only one kind takes: anywhere else they are a mistake worth naming.
 KIND_ONLY_KEYS = {
-    "map": ("embedding",),
+    "map": ("embedding", "transformers"),
+    "model": ("transformers",),
+    "input": ("transformers",),
+    "pooling": ("transformers",),
+    "train_layers": ("transformers",),
     "plugin": ("plugin",),
     "weights": ("plugin",),
     "options": ("plugin",),
@@ -95,6 +102,10 @@ class ModalityConfig:
     plugin: str | None = None  # plugin: the entry point's name in the group hclip.encoders
     weights: str | None = None  # plugin: the tower's safetensors file
     options: dict[str, Any] = field(default_factory=dict)  # plugin: checked by the plugin
+    model: str | None = None  # transformers: a model directory or a hub id in the local cache
+    input: str | None = None  # transformers: image, audio or text
+    pooling: str = "auto"  # transformers: models.encoders.pretrained
+    train_layers: int = 0  # transformers: blocks fine-tuned from the top; -1 for all of them
 
     @staticmethod
     def from_dict(obj: Any, path: str, base_dir: Path | None = None) -> ModalityConfig:
@@ -119,6 +130,8 @@ class ModalityConfig:
             raise ConfigError(f"{path}.dim: only 'vector' and 'embedding' modalities take a dim")
         if kind == "embedding":
             kw["map"] = _choice(obj.get("map", "none"), EMBEDDING_MAPS, f"{path}.map")
+        if kind == "transformers":
+            kw.update(_pretrained_fields(obj, path, base_dir))
         if kind == "plugin":
             kw.update(_plugin_fields(obj, path, base_dir))
         for name in ("hidden", "image_size", "sample_rate", "n_mels", "conv_width"):
@@ -145,14 +158,53 @@ class ModalityConfig:
             "image": ("hidden", "image_size", "channels", "conv_width"),
             "audio": ("hidden", "sample_rate", "max_seconds", "n_mels", "hop_ms", "conv_width"),
             "plugin": ("plugin", "weights", "options", "hidden"),
+            "transformers": (
+                "model",
+                "input",
+                "pooling",
+                "train_layers",
+                "map",
+                "hidden",
+                "sample_rate",
+                "max_seconds",
+            ),
         }[self.kind]
-        always = ("dim", "plugin", "weights", "options")
+        always = ("dim", "plugin", "weights", "options", "model", "input", "map")
         out: dict[str, Any] = {"kind": self.kind}
         for name in relevant:
             value = getattr(self, name)
             if name in always or value != getattr(defaults, name):
                 out[name] = dict(value) if isinstance(value, dict) else value
+        if out.get("train_layers") == -1:
+            out["train_layers"] = "all"
         return out
+
+
+def _pretrained_fields(obj: dict[str, Any], path: str, base_dir: Path | None) -> dict[str, Any]:
+    """`model` (a directory or a hub id), `input`, and optionally `pooling`, `train_layers` (0,
+    N or "all") and `map` (linear, or mlp through `hidden`). The model itself is looked up
+    where the encoder is built (models.encoders.pretrained), offline."""
+    name = _req(obj, "model", path + ".")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{path}.model: expected a model directory or a Hugging Face hub id")
+    if base_dir is not None and (base_dir / name).is_dir():  # a directory beside the config
+        name = str((base_dir / name).resolve())
+    out: dict[str, Any] = {
+        "model": name,
+        "input": _choice(_req(obj, "input", path + "."), PRETRAINED_INPUTS, f"{path}.input"),
+        "pooling": _choice(obj.get("pooling", "auto"), POOLINGS, f"{path}.pooling"),
+        "map": _choice(obj.get("map", "linear"), PRETRAINED_MAPS, f"{path}.map"),
+    }
+    layers = obj.get("train_layers", 0)
+    if layers == "all":
+        out["train_layers"] = -1
+    elif isinstance(layers, int) and not isinstance(layers, bool) and layers >= 0:
+        out["train_layers"] = layers
+    else:
+        raise ConfigError(f"{path}.train_layers: expected 0, a number of blocks or 'all'")
+    if out["input"] == "audio" and "max_seconds" not in obj:
+        out["max_seconds"] = 10.0  # a clip for a speech or sound model, not a spoken digit
+    return out
 
 
 def _plugin_fields(obj: dict[str, Any], path: str, base_dir: Path | None) -> dict[str, Any]:

@@ -10,3 +10,8 @@ class CheckpointError(ValueError):
 
 class PluginError(ValueError):
     """A plugin is not installed, fails to load, or its weights do not fit its tower."""
+
+
+class PretrainedError(ValueError):
+    """A `transformers` tower is not on disk, or its processor or model does not fit the
+    modality's input."""

@@ -11,6 +11,7 @@ from models.encoders.audio import AudioEncoder
 from models.encoders.base import Encoder, Featurizer, stack
 from models.encoders.image import ImageEncoder
 from models.encoders.plugin import PluginEncoder
+from models.encoders.pretrained import PretrainedEncoder
 from models.encoders.text import TextEncoder
 from models.encoders.vector import EmbeddingEncoder, VectorEncoder
 from models.limits import DEFAULT_LIMITS, InputError, InputLimits
@@ -22,6 +23,7 @@ ENCODERS: dict[str, type[Encoder]] = {
     "image": ImageEncoder,
     "audio": AudioEncoder,
     "plugin": PluginEncoder,
+    "transformers": PretrainedEncoder,
 }
 
 __all__ = ["ENCODERS", "Encoder", "Featurizer", "build_encoder", "decode", "featurizer", "stack"]

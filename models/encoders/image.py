@@ -16,15 +16,11 @@ from models.encoders.media import read_bytes
 from models.limits import DEFAULT_LIMITS, InputError, InputLimits, InputTooLarge
 
 
-def decode_image(
-    value: Any,
-    cfg: ModalityConfig,
-    base_dir: Path | None = None,
-    limits: InputLimits = DEFAULT_LIMITS,
-) -> torch.Tensor:
+def decode_image_file(data: bytes, limits: InputLimits, mode: str) -> Any:
+    """An image's bytes -> a PIL image in `mode` ("L" or "RGB"), its pixel count checked from
+    the header before anything is decompressed."""
     from PIL import Image
 
-    data = read_bytes(value, base_dir, "image", limits)
     try:
         with Image.open(io.BytesIO(data)) as opened:
             w, h = opened.size  # from the header: nothing is decompressed yet
@@ -33,9 +29,7 @@ def decode_image(
                     f"image is {w}x{h} = {w * h} pixels, over the limit of "
                     f"{limits.max_image_pixels} (max_image_pixels)"
                 )
-            img = opened.convert("L" if cfg.channels == 1 else "RGB")
-            img = img.resize((cfg.image_size, cfg.image_size), Image.Resampling.BILINEAR)
-            arr = np.asarray(img, dtype=np.float32) / 255.0
+            return opened.convert(mode)
     except InputError:
         raise
     except Image.DecompressionBombError as exc:
@@ -47,6 +41,20 @@ def decode_image(
         raise InputError(
             "image could not be decoded (not a PNG, JPEG or other known format)"
         ) from None
+
+
+def decode_image(
+    value: Any,
+    cfg: ModalityConfig,
+    base_dir: Path | None = None,
+    limits: InputLimits = DEFAULT_LIMITS,
+) -> torch.Tensor:
+    from PIL import Image
+
+    data = read_bytes(value, base_dir, "image", limits)
+    img = decode_image_file(data, limits, "L" if cfg.channels == 1 else "RGB")
+    img = img.resize((cfg.image_size, cfg.image_size), Image.Resampling.BILINEAR)
+    arr = np.asarray(img, dtype=np.float32) / 255.0
     arr = arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)  # (C, H, W)
     return torch.from_numpy(np.ascontiguousarray(arr))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from models.config import ConfigError, RunConfig
-from models.errors import CheckpointError, PluginError
+from models.errors import CheckpointError, PluginError, PretrainedError
 from models.records import RecordError
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # The trainer (torch) is imported by run(): help and argument errors answer at once.
 
-USER_ERRORS = (ConfigError, RecordError, CheckpointError, PluginError)
+USER_ERRORS = (ConfigError, RecordError, CheckpointError, PluginError, PretrainedError)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -20,7 +20,12 @@ from models.records import RecordError, iter_jsonl, record_id
 
 def input_key(item: Any) -> int:
     """A stable 63-bit key of a decoded input: equal inputs, equal keys."""
-    raw = item.encode("utf-8") if isinstance(item, str) else item.numpy().tobytes()
+    if isinstance(item, str):
+        raw = item.encode("utf-8")
+    elif isinstance(item, torch.Tensor):
+        raw = item.numpy().tobytes()
+    else:  # a PIL image (a pretrained tower's input): its mode, size and pixels
+        raw = f"{item.mode}:{item.size}".encode() + item.tobytes()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
 
 

@@ -17,8 +17,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from models.config import ModelConfig
 from models.encoders import Featurizer, featurizer
+from models.encoders.pretrained import identity
 from models.records import RecordError
 from models.train.data import TupleSource
+from models.train.feature_cache import CachedFeatures, cache_root, tower_key
 
 
 class BatchReader(Dataset[dict[str, Any]]):
@@ -29,6 +31,15 @@ class BatchReader(Dataset[dict[str, Any]]):
         self.featurizers: dict[str, Featurizer] = {
             n: featurizer(cfg.modalities[n]) for n in cfg.names
         }
+        # Frozen pretrained towers: their features come from the cache once computed.
+        self.cached: dict[str, CachedFeatures] = {}
+        root = cache_root()
+        for n in cfg.names:
+            m = cfg.modalities[n]
+            if root is not None and m.kind == "transformers" and m.train_layers == 0:
+                assert m.model is not None
+                key = tower_key(identity(m.model), m.pooling)
+                self.cached[n] = CachedFeatures(self.featurizers[n], root / key)
 
     def __len__(self) -> int:
         return len(self.source)
@@ -40,7 +51,10 @@ class BatchReader(Dataset[dict[str, Any]]):
             # Raised in a worker it would reach the trainer inside a worker traceback; returned,
             # the trainer raises it as the plain "line N, id X: ..." a user reads.
             return {"error": str(exc)}
-        features = {n: f(items[n]) for n, f in self.featurizers.items()}
+        features = {
+            n: self.cached[n](items[n], keys[n]) if n in self.cached else f(items[n])
+            for n, f in self.featurizers.items()
+        }
         return {"features": features, "keys": keys}
 
 

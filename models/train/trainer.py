@@ -91,6 +91,13 @@ def _first_difference(saved: Any, now: Any, path: str = "") -> str | None:
     return None
 
 
+def to_device(x: Any, device: torch.device) -> Any:
+    """A batch of features (a tensor, or a tower's keyword inputs) on the training device."""
+    if isinstance(x, dict):
+        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
+    return x.to(device, non_blocking=True)
+
+
 class Trainer:
     """One training run. `steps()` trains and yields after every optimiser step."""
 
@@ -187,7 +194,7 @@ class Trainer:
     def _train_step(self, batch: dict[str, Any], epoch: int) -> None:
         if "error" in batch:
             raise RecordError(batch["error"])
-        features = {n: x.to(self.device, non_blocking=True) for n, x in batch["features"].items()}
+        features = {n: to_device(x, self.device) for n, x in batch["features"].items()}
         keys = {n: k.to(self.device, non_blocking=True) for n, k in batch["keys"].items()}
         for group in self.opt.param_groups:
             group["lr"] = _lr_at(self.step, self.total, self.cfg.lr)

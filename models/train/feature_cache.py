@@ -1,0 +1,84 @@
+"""Pooled features of frozen pretrained towers, cached on disk across epochs and runs.
+
+A frozen tower maps the same input to the same features every epoch, and it costs far more than
+the trainable layers above it: its features are computed once per input and kept in an SQLite
+file per tower (its fingerprint: name, revision and files, and the pooling), keyed by the
+input's 63-bit hash (models.train.data.input_key, which training computes anyway to find
+duplicates). SQLite (standard library) takes readers and writers from several DataLoader
+workers at once; memory stays flat in the number of records.
+
+    $HCLIP_FEATURE_CACHE (default ~/.cache/hclip/features)/<tower>/features.sqlite
+    HCLIP_FEATURE_CACHE=off    no cache
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from models.encoders import Featurizer
+
+DB = "features.sqlite"
+
+
+def cache_root() -> Path | None:
+    value = os.environ.get("HCLIP_FEATURE_CACHE")
+    if value == "off":
+        return None
+    return Path(value) if value else Path.home() / ".cache" / "hclip" / "features"
+
+
+def tower_key(identity: dict[str, Any], pooling: str) -> str:
+    return hashlib.sha256(repr((sorted(identity.items()), pooling)).encode()).hexdigest()[:20]
+
+
+class CachedFeatures:
+    """A frozen featurizer behind the cache: features of the inputs seen before are read, the
+    others computed in one batch and stored."""
+
+    def __init__(self, featurizer: Featurizer, directory: Path):
+        self.featurizer = featurizer
+        self.directory = directory
+        self._db: sqlite3.Connection | None = None  # opened in the process that uses it
+        self.computed = 0  # inputs that went through the tower in this process
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_db": None}
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.directory / DB, timeout=60, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE IF NOT EXISTS f (k INTEGER PRIMARY KEY, v BLOB NOT NULL)")
+            self._db = db
+        return self._db
+
+    def __call__(self, items: list[Any], keys: torch.Tensor) -> torch.Tensor:
+        db = self._conn()
+        wanted = [int(k) for k in keys.tolist()]
+        found: dict[int, bytes] = {}
+        for start in range(0, len(wanted), 500):  # SQLite's limit on bound variables
+            part = wanted[start : start + 500]
+            marks = ",".join("?" * len(part))
+            found.update(db.execute(f"SELECT k, v FROM f WHERE k IN ({marks})", part).fetchall())
+        first: dict[int, int] = {}  # each missing input once, however often the batch holds it
+        for i, k in enumerate(wanted):
+            if k not in found:
+                first.setdefault(k, i)
+        missing = list(first.values())
+        if missing:
+            fresh = self.featurizer([items[i] for i in missing]).float().numpy()
+            self.computed += len(missing)
+            rows = [(wanted[i], fresh[j].tobytes()) for j, i in enumerate(missing)]
+            db.executemany("INSERT OR REPLACE INTO f (k, v) VALUES (?, ?)", rows)
+            found.update(rows)
+        return torch.from_numpy(
+            np.stack([np.frombuffer(found[k], dtype=np.float32) for k in wanted])
+        )

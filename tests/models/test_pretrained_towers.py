@@ -1,0 +1,269 @@
+"""Pretrained towers from `transformers`, by config: tiny random-initialised models made with the
+library's config classes and saved with save_pretrained (a CLIP vision model, a ViT, a wav2vec
+2.0 and a BERT), loaded by path; a three-modality H-CLIP trained on them frozen and with the
+last block trainable; the feature cache; indexing and serving with scores that the stored
+embeddings recompute; and the errors a user meets."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from models.config import ConfigError, ModalityConfig
+from models.encoders import build_encoder, decode
+from models.encoders import pretrained as pretrained_module
+from models.errors import PretrainedError
+from models.limits import InputError
+from tests.app.conftest import running, settings_for
+from tests.conftest import index_build, run_cli
+from tests.models.test_inputs import data_uri
+
+WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def make_towers(d: Path) -> dict[str, Path]:
+    import transformers as tf
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "number", *WORDS]
+    (d / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "intermediate_size": 37}  # fmt: skip
+    torch.manual_seed(0)
+    out = {}
+    bert = tf.BertModel(tf.BertConfig(vocab_size=len(vocab), max_position_embeddings=64, **small))
+    bert.save_pretrained(d / "bert")
+    tf.BertTokenizer(vocab_file=str(d / "vocab.txt")).save_pretrained(d / "bert")
+    vit = tf.ViTModel(tf.ViTConfig(image_size=32, patch_size=8, **small))
+    vit.save_pretrained(d / "vit")
+    tf.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(d / "vit")
+    clip = tf.CLIPVisionModel(tf.CLIPVisionConfig(image_size=32, patch_size=8, **small))
+    clip.save_pretrained(d / "clip")
+    tf.CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).save_pretrained(d / "clip")
+    w2v = tf.Wav2Vec2Model(
+        tf.Wav2Vec2Config(
+            conv_dim=(16, 16),
+            conv_stride=(5, 5),
+            conv_kernel=(10, 10),
+            num_conv_pos_embeddings=16,
+            num_conv_pos_embedding_groups=2,
+            vocab_size=10,
+            **small,
+        )
+    )
+    w2v.save_pretrained(d / "w2v")
+    tf.Wav2Vec2FeatureExtractor(sampling_rate=16000, return_attention_mask=True).save_pretrained(
+        d / "w2v"
+    )
+    for name in ("bert", "vit", "clip", "w2v"):
+        out[name] = d / name
+    return out
+
+
+@pytest.fixture(scope="module")
+def towers(tmp_path_factory) -> dict[str, Path]:
+    return make_towers(tmp_path_factory.mktemp("towers"))
+
+
+def png(seed: int) -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (24, 30, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def wav(freq: float, rate: int = 22050, seconds: float = 0.3) -> bytes:
+    t = np.arange(int(rate * seconds)) / rate
+    x = (0.3 * np.sin(2 * np.pi * freq * t) * 32767).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(x.tobytes())
+    return buf.getvalue()
+
+
+def records(n: int) -> list[dict]:
+    return [
+        {
+            "id": f"r{i}",
+            "photo": data_uri("image/png", png(i)),
+            "sound": data_uri("audio/wav", wav(200 + 25 * i)),
+            "caption": f"the number {WORDS[i % 10]} {i}",
+            "payload": {"i": i},
+        }
+        for i in range(n)
+    ]
+
+
+def write_config(d: Path, towers: dict[str, Path], image: str = "vit", layers: int = 0) -> Path:
+    recs = d / "records.jsonl"
+    recs.write_text("".join(json.dumps(r) + "\n" for r in records(24)))
+    modalities = {
+        "photo": {"kind": "transformers", "model": str(towers[image]), "input": "image",
+                  "train_layers": layers},
+        "sound": {"kind": "transformers", "model": str(towers["w2v"]), "input": "audio",
+                  "max_seconds": 0.5},
+        "caption": {"kind": "transformers", "model": str(towers["bert"]), "input": "text",
+                    "pooling": "mean"},
+    }  # fmt: skip
+    cfg = {"modalities": modalities, "head": "hclip", "latent_dim": 8,
+           "train": {"records": "records.jsonl", "epochs": 2, "batch_size": 8, "lr": 0.01,
+                     "num_workers": 0}}  # fmt: skip
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d / "config.json"
+
+
+@pytest.fixture
+def tower_calls(monkeypatch) -> list[int]:
+    """Inputs that went through a frozen tower (not through its cache)."""
+    calls: list[int] = []
+    original = pretrained_module.PretrainedFeatures.__call__
+
+    def counted(self, items):
+        calls.append(len(items))
+        return original(self, items)
+
+    monkeypatch.setattr(pretrained_module.PretrainedFeatures, "__call__", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["clip", "vit", "w2v", "bert"])
+def test_each_tower_loads_by_path_and_encodes_to_unit_vectors(towers, name) -> None:
+    inputs = {"clip": ("image", data_uri("image/png", png(1))),
+              "vit": ("image", data_uri("image/png", png(2))),
+              "w2v": ("audio", data_uri("audio/wav", wav(300))),
+              "bert": ("text", "the number two")}  # fmt: skip
+    kind, raw = inputs[name]
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers[name]),
+                                    "input": kind}, "modalities.m")  # fmt: skip
+    enc = build_encoder(cfg, 8)
+    out = enc.encode([decode(raw, cfg), decode(raw, cfg)])
+    assert out.shape == (2, 8) and torch.allclose(out.norm(dim=-1), torch.ones(2), atol=1e-5)
+    assert torch.allclose(out[0], out[1])
+
+
+def test_frozen_towers_train_with_the_feature_cache_then_index_and_serve(
+    towers, tmp_path, tower_calls, monkeypatch
+) -> None:
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", str(tmp_path / "features"))
+    config = write_config(tmp_path, towers)
+    assert run_cli("train", "--config", config, "--out", tmp_path / "model", "--quiet") == 0
+    # epoch 1 ran each tower over the 24 records once; epoch 2 read the cache
+    assert sum(tower_calls) == 3 * 24, tower_calls
+    tower_calls.clear()
+    assert run_cli("train", "--config", config, "--out", tmp_path / "again", "--quiet") == 0
+    assert sum(tower_calls) == 0  # a second run: every feature from the cache
+    # another tower (new weights): its features are computed anew
+    changed = tmp_path / "bert2"
+    shutil.copytree(towers["bert"], changed)
+    from transformers import BertModel
+
+    model = BertModel.from_pretrained(changed)
+    with torch.no_grad():
+        model.pooler.dense.weight.add_(1.0)
+    model.save_pretrained(changed)
+    cfg = json.loads(config.read_text())
+    cfg["modalities"]["caption"]["model"] = str(changed)
+    config.write_text(json.dumps(cfg))
+    tower_calls.clear()
+    assert run_cli("train", "--config", config, "--out", tmp_path / "third", "--quiet") == 0
+    assert sum(tower_calls) == 24, tower_calls  # only the changed tower ran
+
+    root = tmp_path / "root"
+    assert index_build(tmp_path / "model", tmp_path / "records.jsonl", root) == 0
+    with running(settings_for(root)) as client:
+        info = client.get("/v1/info").json()
+        omega = np.asarray(info["model"]["omega"])
+        r = client.post("/v1/search", json={"query": {"caption": "the number three"}, "k": 5})
+        assert r.status_code == 200, r.text
+        q = client.post("/v1/embed", json={"modality": "caption",
+                                           "inputs": ["the number three"]}).json()  # fmt: skip
+        qe = np.asarray(q["embeddings"][0])
+        for hit in r.json()["results"]:
+            stored = client.get(f"/v1/records/{hit['id']}/embeddings").json()["embeddings"]
+            score = float(np.sum(omega * qe * np.asarray(stored["photo"]) *
+                                 np.asarray(stored["sound"])))  # fmt: skip
+            assert abs(score - hit["score"]) < 1e-4, (score, hit)
+
+
+def test_the_last_block_trains_and_is_saved(towers, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", "off")
+    config = write_config(tmp_path, towers, image="clip", layers=1)
+    assert run_cli("train", "--config", config, "--out", tmp_path / "model", "--quiet") == 0
+    from models.checkpoint import load_model
+
+    trained = load_model(tmp_path / "model")
+    enc = trained.encoder("photo")
+    tower = pretrained_module.load_tower(enc.cfg).model
+    mine = dict(enc.tower.named_parameters())  # type: ignore[union-attr]
+    theirs = dict(tower.named_parameters())
+    last = [n for n in mine if ".layers.1." in n]
+    first = [n for n in mine if ".layers.0." in n]
+    assert last and first
+    assert any(not torch.equal(mine[n], theirs[n]) for n in last)  # fine-tuned
+    assert all(torch.equal(mine[n], theirs[n]) for n in first)  # frozen
+    root = tmp_path / "root"
+    assert index_build(tmp_path / "model", tmp_path / "records.jsonl", root) == 0
+
+
+def test_clear_errors(towers, tmp_path, capsys) -> None:
+    missing = tmp_path / "no-such-model"
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(missing),
+                                    "input": "image"}, "m")  # fmt: skip
+    with pytest.raises(PretrainedError, match=r"does not exist; fetch it once"):
+        build_encoder(cfg, 8)
+    hub = ModalityConfig.from_dict({"kind": "transformers", "model": "someone/not-here",
+                                    "input": "text"}, "m")  # fmt: skip
+    with pytest.raises(PretrainedError, match="nor in the local Hugging Face cache"):
+        build_encoder(hub, 8)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(towers["vit"], mixed)
+    shutil.copy(towers["w2v"] / "preprocessor_config.json", mixed / "preprocessor_config.json")
+    bad = ModalityConfig.from_dict({"kind": "transformers", "model": str(mixed),
+                                    "input": "image"}, "m")  # fmt: skip
+    with pytest.raises(PretrainedError, match="has no usable image processor or model"):
+        build_encoder(bad, 8)
+    text_to_image = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["vit"]),
+                                              "input": "text"}, "m")  # fmt: skip
+    with pytest.raises(PretrainedError):
+        build_encoder(text_to_image, 8)
+    image = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["vit"]),
+                                      "input": "image"}, "m")  # fmt: skip
+    with pytest.raises(InputError, match="expected a file path or a data: URI"):
+        decode(42, image)
+    with pytest.raises(ConfigError, match="input: expected one of image, audio, text"):
+        ModalityConfig.from_dict({"kind": "transformers", "model": "x", "input": "video"}, "m")
+    config = write_config(tmp_path, {**towers, "vit": missing})
+    assert run_cli("train", "--config", config, "--out", tmp_path / "model", "--quiet") == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_documented_config_trains_with_stand_ins(towers, tmp_path, monkeypatch) -> None:
+    """docs/models.md's pretrained-tower config, as written, with tiny models in the
+    directories it names (relative to the config)."""
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", str(tmp_path / "features"))
+    text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
+    block = text.split("<!-- pretrained-tower config -->")[1].split("```json")[1].split("```")[0]
+    cfg = json.loads(block)
+    stand_ins = {"clip": towers["clip"], "wav2vec2": towers["w2v"], "MiniLM": towers["bert"]}
+    for m in cfg["modalities"].values():
+        target = next(p for key, p in stand_ins.items() if key in m["model"])
+        shutil.copytree(target, tmp_path / m["model"])
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records(16)))
+    cfg["train"].update(epochs=1, batch_size=8)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "model"
+    assert run_cli("train", "--config", tmp_path / "config.json", "--out", out, "--quiet") == 0
+    assert index_build(out, tmp_path / "records.jsonl", tmp_path / "root") == 0
