@@ -50,7 +50,7 @@ def receive_within(receive: Receive, timeout_s: float) -> Receive:
     """`receive`, raising BodyTimeout when the request's body has not all arrived within
     `timeout_s` of this call (what follows the body, a disconnect, is waited for as long as
     it takes)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = asyncio.get_running_loop().time() + timeout_s
     done = False
 
     async def bounded() -> Message:
@@ -58,7 +58,8 @@ def receive_within(receive: Receive, timeout_s: float) -> Receive:
         if done:
             return await receive()
         try:
-            message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            async with asyncio.timeout_at(deadline):  # a timer, not a task as wait_for makes
+                message = await receive()
         except TimeoutError:
             raise BodyTimeout(
                 f"the request body did not arrive within {timeout_s:g} s (HCLIP_BODY_TIMEOUT_S)"

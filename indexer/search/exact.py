@@ -1,11 +1,13 @@
 """Exact maximum-inner-product search over a memory-mapped (N, D) float32 matrix.
 
-Two library kernels and a fixed rule: a lone query is FAISS's scan (faiss.knn: one pass over
-the rows with a top-k heap, no temporary the size of the view); a batch is a matrix product
-with torch's BLAS and torch's top-k, over blocks of rows so that the scores of a block stay
-small, since one pass over memory then serves every query of the batch. FAISS's own batched
-path runs the BLAS bundled with its wheel, which some CPUs get only generic kernels of;
-torch's dispatches on the CPU it finds.
+Library kernels and a fixed rule by batch size: a lone query is FAISS's scan (faiss.knn: one
+pass over the rows with a top-k heap, no temporary the size of the view); a few queries (up to
+SMALL_BATCH) are the same scan over blocks of rows small enough to stay in cache while every
+query of the batch reads them, so that one pass over memory serves the batch (a matrix
+product of a few rows is memory-bound too, and pays its BLAS's set-up per block); a larger
+batch is a matrix product with torch's BLAS and torch's top-k, over blocks of rows so that the
+scores of a block stay small. FAISS's own batched path runs the BLAS bundled with its wheel,
+which some CPUs get only generic kernels of; torch's dispatches on the CPU it finds.
 
 A lone query on an otherwise idle machine is bound by one core's memory bandwidth: `parts`
 scans slices of the rows on that many threads at once (FAISS lets go of the GIL) and merges
@@ -28,6 +30,10 @@ import numpy as np
 import torch
 
 MIN_PART_ROWS = 8192  # a slice smaller than this costs a thread more than it saves
+# Up to this many queries, the blocked scan; from it on, torch's products (docs/benchmarks/
+# serving.md: the two cross between 8 and 16 queries on the machines measured).
+SMALL_BATCH = 8
+CACHE_BLOCK_BYTES = 1 << 21  # rows of the view that stay in cache while a batch scans them
 BLOCK_ROWS = 16384  # scores of a block stay small: (B, 16384) float32 is 4 MB at B = 64
 SUBSET_FRACTION = 0.25  # below this share of allowed rows, copy them out and search the copy
 
@@ -37,6 +43,20 @@ def scan(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray
     far larger than the service forms)."""
     scores, pos = faiss.knn(xq, xb, k, metric=faiss.METRIC_INNER_PRODUCT)
     return scores, pos
+
+
+def blocked_scan(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """scan() over blocks of rows that stay in cache while every query of the batch scans them;
+    each block's top-k merged."""
+    block = max(256, CACHE_BLOCK_BYTES // (4 * max(1, xb.shape[1])))
+    if xb.shape[0] <= block:
+        return scan(xq, xb, k)
+    found = [scan(xq, xb[s : s + block], min(k, xb.shape[0] - s))
+             for s in range(0, xb.shape[0], block)]  # fmt: skip
+    scores = np.concatenate([s for s, _ in found], 1)
+    pos = np.concatenate([i + n * block for n, (_, i) in enumerate(found)], 1)
+    keep = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+    return np.take_along_axis(scores, keep, 1), np.take_along_axis(pos, keep, 1)
 
 
 _helpers: ThreadPoolExecutor | None = None
@@ -109,8 +129,10 @@ def search(xq: np.ndarray, xb: np.ndarray, k: int, parts: int = 1) -> tuple[np.n
     if k == 0 or len(xq) == 0:
         return _empty(len(xq))
     xq = np.ascontiguousarray(xq, dtype=np.float32)
-    if len(xq) > 1:
+    if len(xq) >= SMALL_BATCH:
         return product_topk(xq, xb, k)
+    if len(xq) > 1:
+        return blocked_scan(xq, xb, k)
     return split_scan(xq, xb, k, parts) if parts > 1 else scan(xq, xb, k)
 
 

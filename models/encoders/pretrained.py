@@ -39,7 +39,7 @@ from models.encoders.audio import _read_wav, _resample_prefix
 from models.encoders.base import Encoder, Featurizer
 from models.encoders.image import decode_image_file
 from models.encoders.media import read_bytes
-from models.encoders.text import decode_text
+from models.encoders.text_input import decode_text
 from models.errors import PretrainedError
 from models.limits import DEFAULT_LIMITS, InputError, InputLimits
 
@@ -103,11 +103,13 @@ class Tower:
     input: str
     pooling: str
     sampling_rate: int | None
+    max_length: int | None = None  # tokens: a sentence-transformers model's max_seq_length
 
     def inputs(self, items: list[Any]) -> dict[str, torch.Tensor]:
         """Decoded inputs -> the model's keyword arguments (a batch)."""
         if self.input == "text":
             return dict(self.processor(list(items), padding=True, truncation=True,
+                                       max_length=self.max_length,
                                        return_tensors="pt"))  # fmt: skip
         if self.input == "image":
             return dict(self.processor(images=list(items), return_tensors="pt"))
@@ -203,7 +205,18 @@ def _load(cfg: ModalityConfig) -> Tower:
             f"(it is {cfg.sample_rate}), so that clips are resampled to it as they are decoded"
         )
     log.info("loaded %s (%s, %s input) from %s", cfg.model, type(model).__name__, cfg.input, path)
-    return Tower(model, processor, cfg.input, cfg.pooling, rate)
+    return Tower(model, processor, cfg.input, cfg.pooling, rate, _max_seq_length(path))
+
+
+def _max_seq_length(path: Path) -> int | None:
+    """The length a sentence-transformers model was trained to cut its inputs at, if it is one."""
+    import json
+
+    config = path / "sentence_bert_config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("max_seq_length")
+    return int(value) if isinstance(value, int) else None
 
 
 def _first_sentence(exc: Exception) -> str:
@@ -361,6 +374,7 @@ class PretrainedEncoder(Encoder):
             feats = batch
         else:
             tower = load_tower(self.cfg)
-            feats = Tower(self.tower, tower.processor, tower.input, tower.pooling,
-                          tower.sampling_rate).pooled(self.tower(**batch), batch)  # fmt: skip
+            mine = Tower(self.tower, tower.processor, tower.input, tower.pooling,
+                         tower.sampling_rate, tower.max_length)  # fmt: skip
+            feats = mine.pooled(self.tower(**batch), batch)
         return nn.functional.normalize(self.map(feats.float()), dim=-1)

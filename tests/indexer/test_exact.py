@@ -1,5 +1,6 @@
-"""Exact search (FAISS's scan for a lone query, torch's products for a batch) equals the
-brute-force reference, on random and on adversarial data, with and without a filter."""
+"""Exact search (FAISS's scan for a lone query, its blocked scan for a few, torch's products for
+a batch) equals the brute-force reference, on random and on adversarial data, with and without
+a filter."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from indexer.search import exact
 KERNELS = {
     "scan": exact.scan,
     "product_topk": exact.product_topk,
+    "blocked_scan": exact.blocked_scan,  # a few queries'
     "search": exact.search,
     "split_scan": lambda xq, xb, k: exact.split_scan(xq, xb, k, parts=3),  # a lone query's
 }
@@ -42,7 +44,8 @@ def check(kernel: str, xq: np.ndarray, xb: np.ndarray, k: int) -> None:
 
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize(("n", "d", "nq", "k"), [(1000, 16, 1, 10), (40_000, 64, 37, 10),
-                                                 (20_000, 65, 256, 100), (5, 8, 3, 5)])  # fmt: skip
+                                                 (20_000, 65, 256, 100), (5, 8, 3, 5),
+                                                 (40_000, 64, 5, 10)])  # fmt: skip
 def test_random_data(kernel: str, n: int, d: int, nq: int, k: int) -> None:
     rng = np.random.default_rng(n + d)
     xb = rng.standard_normal((n, d)).astype(np.float32)
