@@ -23,9 +23,6 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from redis import asyncio as aioredis
-from redis.exceptions import RedisError
-
 from app.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -75,6 +72,10 @@ class RedisCache:
     backend = "redis"
 
     def __init__(self, url: str, timeout_s: float, retry_s: float, metrics: Metrics):
+        from redis import asyncio as aioredis  # here: 0.1 s of start-up only where it is used
+        from redis.exceptions import RedisError
+
+        self._errors = (TimeoutError, RedisError, OSError)
         self.client = aioredis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
         )
@@ -101,7 +102,7 @@ class RedisCache:
             return None
         try:
             result = await asyncio.wait_for(coro_factory(), self.timeout_s * 2)
-        except (TimeoutError, RedisError, OSError) as exc:
+        except self._errors as exc:
             self._failed(exc)
             return None
         self._ok()
@@ -115,7 +116,7 @@ class RedisCache:
         await self._call(lambda: self.client.set(key, value, ex=ttl_s))
 
     async def close(self) -> None:
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*self._errors):
             await self.client.aclose()
 
 
