@@ -41,6 +41,17 @@ def default_readers(n_cores: int) -> int:
 class CheckedChunk:
     checked: Checked
     records: int  # records the chunk held, valid or not
+    # Modalities whose decoded inputs (torch tensors) crossed the reader's pipe as numpy arrays:
+    # torch's own pickling of a tensor shares it through its shared-memory manager, which can
+    # hang in a process forked while the parent's torch threads run (seen with 2 torch threads).
+    as_numpy: tuple[str, ...] = ()
+
+    def tensors_back(self) -> Rows:
+        rows = self.checked.rows
+        for name in self.as_numpy:
+            rows.inputs[name] = [None if x is None else torch.from_numpy(x)
+                                 for x in rows.inputs[name]]  # fmt: skip
+        return rows
 
 
 class _Check:
@@ -50,7 +61,15 @@ class _Check:
         self.checker = checker
 
     def __call__(self, chunk: Chunk) -> CheckedChunk:
-        return CheckedChunk(self.checker.check(chunk), len(chunk))
+        checked = self.checker.check(chunk)
+        inputs = checked.rows.inputs
+        tensors = tuple(
+            n for n, v in inputs.items()
+            if isinstance(v, list) and any(isinstance(x, torch.Tensor) for x in v)
+        )  # fmt: skip
+        for n in tensors:
+            inputs[n] = [None if x is None else x.numpy() for x in inputs[n]]
+        return CheckedChunk(checked, len(chunk), tensors)
 
 
 def encode_local(
@@ -79,7 +98,7 @@ def encode_local(
     try:
         for chunk in chunks:
             keep = admission.admit(chunk.checked)
-            write_admitted(model, chunk.checked.rows.take(keep), writer, batch_size)
+            write_admitted(model, chunk.tensors_back().take(keep), writer, batch_size)
             bar.update(chunk.records)
         writer.drain()
     finally:

@@ -267,3 +267,31 @@ def test_the_documented_config_trains_with_stand_ins(towers, tmp_path, monkeypat
     out = tmp_path / "model"
     assert run_cli("train", "--config", tmp_path / "config.json", "--out", out, "--quiet") == 0
     assert index_build(out, tmp_path / "records.jsonl", tmp_path / "root") == 0
+
+
+def test_a_build_with_torch_threads_and_reader_processes_finishes(towers, tmp_path) -> None:
+    """A build with two torch threads and forked reader processes finishes. With real-size
+    towers a reader hung sending decoded tensors back through torch's shared-memory pickling
+    (benchmarks/bench_towers.py, 2 threads); they now cross as numpy arrays. These tiny towers
+    do not reproduce that race: this guards the path, not the race itself."""
+    import os
+    import subprocess
+    import sys
+
+    config = write_config(tmp_path, towers)
+    cfg = json.loads(config.read_text())
+    from models.checkpoint import save_model
+    from models.config import ModelConfig
+    from models.model import MultimodalModel
+
+    model_cfg = ModelConfig.from_dict({k: cfg[k] for k in ("modalities", "head", "latent_dim")})
+    save_model(MultimodalModel(model_cfg), tmp_path / "model")
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "index", "build", "--model", str(tmp_path / "model"),
+         "--records", str(tmp_path / "records.jsonl"), "--root", str(tmp_path / "root"),
+         "--quiet", "--batch-size", "8"],
+        env={**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "2"},
+        cwd=repo, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
