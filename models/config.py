@@ -169,7 +169,7 @@ class ModalityConfig:
                 "max_seconds",
             ),
         }[self.kind]
-        always = ("dim", "plugin", "weights", "options", "model", "input", "map")
+        always = ("dim", "plugin", "weights", "options", "model", "input")
         out: dict[str, Any] = {"kind": self.kind}
         for name in relevant:
             value = getattr(self, name)

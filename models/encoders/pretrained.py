@@ -23,6 +23,7 @@ the local Hugging Face cache), run by the model's own processor, pooled, then pr
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import threading
@@ -87,8 +88,6 @@ def identity(name: str) -> dict[str, Any]:
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
-    import json
-
     config = json.loads((path / "config.json").read_text())
     revision = config.get("_commit_hash") or (path.name if path.parent.name == "snapshots" else "")
     return {"model": name, "revision": revision, "files": h.hexdigest()[:16]}
@@ -210,8 +209,6 @@ def _load(cfg: ModalityConfig) -> Tower:
 
 def _max_seq_length(path: Path) -> int | None:
     """The length a sentence-transformers model was trained to cut its inputs at, if it is one."""
-    import json
-
     config = path / "sentence_bert_config.json"
     if not config.is_file():
         return None
