@@ -3,12 +3,14 @@ version, from any worker, at start-up or while a killed worker is restarted."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -69,7 +71,10 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def test_no_503_once_ready_with_two_workers(tmp_path: Path, vector_index) -> None:
+@contextlib.contextmanager
+def two_ready_workers(tmp_path: Path, vector_index) -> Iterator[str]:
+    """`hclip serve --workers 2` on a fresh 3,000-record version, from the moment /readyz first
+    answers 200; its URL."""
     _, model_dir, _ = vector_index
     root = tmp_path / "root"
     build_index(root, model_dir, records_v("v1", n=3000), tmp_path)
@@ -78,13 +83,18 @@ def test_no_503_once_ready_with_two_workers(tmp_path: Path, vector_index) -> Non
     proc = start_server(root, port, workers=2)
     try:
         wait_ready(url, proc)
+        yield url
+    finally:
+        stop(proc)
+
+
+def test_no_503_once_ready_with_two_workers(tmp_path: Path, vector_index) -> None:
+    with two_ready_workers(tmp_path, vector_index) as url:
         with ThreadPoolExecutor(32) as pool:  # 200 searches at once, the moment it is ready
             answers = list(pool.map(lambda i: search(url, i), range(200)))
         statuses = Counter(s for s, _ in answers)
         assert statuses == Counter({200: 200}), statuses
         assert len({who for _, who in answers}) == 2  # both workers answered
-    finally:
-        stop(proc)
 
 
 def worker_pids(instances: set[str]) -> set[int]:
@@ -92,14 +102,7 @@ def worker_pids(instances: set[str]) -> set[int]:
 
 
 def test_no_503_while_a_killed_worker_is_restarted(tmp_path: Path, vector_index) -> None:
-    _, model_dir, _ = vector_index
-    root = tmp_path / "root"
-    build_index(root, model_dir, records_v("v1", n=3000), tmp_path)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    proc = start_server(root, port, workers=2)
-    try:
-        wait_ready(url, proc)
+    with two_ready_workers(tmp_path, vector_index) as url:
         before = {who for _, who in (search(url, i) for i in range(40))}
         assert len(before) == 2
         victim = min(worker_pids(before))
@@ -115,8 +118,6 @@ def test_no_503_while_a_killed_worker_is_restarted(tmp_path: Path, vector_index)
         while len(worker_pids(after) - {victim}) < 2 and time.monotonic() < deadline:
             after |= {who for _, who in (search(url, 10_000 + i) for i in range(20))}
         assert len(worker_pids(after) - {victim}) == 2, after  # the restarted worker serves
-    finally:
-        stop(proc)
 
 
 def test_a_request_waits_for_a_published_version_its_worker_is_still_loading(
