@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 # The jobs themselves (torch, FAISS) are imported by the command that runs them, so that help
 # and argument errors answer at once.
-USER_ERRORS = (artifact.ArtifactError, SpecError, ClusterError)
+USER_ERRORS = (artifact.ArtifactError, artifact.BackendUnavailable, SpecError, ClusterError)
+BACKENDS = ("faiss", "milvus")
 ENGINES = ("local", "ray")
 ROOT_HELP = "the index root: every version lives under it (docs/design.md §5)"
 FIELD_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -70,6 +71,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "--filter-fields",
             help="comma-separated payload fields that searches may filter on (equality, in, "
             "numeric ranges); default: none at build, the current version's at update",
+        )
+        sp.add_argument(
+            "--backend",
+            choices=BACKENDS,
+            help="where the views live: faiss (memory-mapped files under the root) or milvus "
+            "(collections in Milvus, needs the 'milvus' extra); default: the root's, else faiss",
+        )
+        sp.add_argument(
+            "--milvus-uri",
+            help="with --backend milvus: a Milvus Lite data path or http://HOST:19530 (token "
+            "from HCLIP_MILVUS_TOKEN); default: the root's",
+        )
+        sp.add_argument(
+            "--shards", type=int, default=1, help="with --backend milvus: shards per collection"
         )
 
     b = sub.add_parser("build", help="encode records and publish a new version")
@@ -140,6 +155,10 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
         raise SpecError("--workers must be at least 1")
     if args.engine != "ray" and (args.ray_address or args.workers is not None):
         raise SpecError("--ray-address and --workers go with --engine ray")
+    if args.shards < 1:
+        raise SpecError("--shards must be at least 1")
+    if args.backend == "faiss" and (args.milvus_uri or args.shards != 1):
+        raise SpecError("--milvus-uri and --shards go with --backend milvus")
     opts = JobOptions(
         batch_size=args.batch_size,
         skip_bad=args.skip_bad,
@@ -147,6 +166,9 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
         engine=args.engine,
         ray_address=args.ray_address,
         workers=args.workers,
+        backend=args.backend,
+        milvus_uri=args.milvus_uri,
+        shards=args.shards,
     )
     if args.spec:
         opts.spec = IndexSpec.parse(args.spec)
@@ -258,8 +280,14 @@ def _rollback(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
+    from indexer.store import milvus
+
     removed = artifact.gc(args.root, args.keep)
     print(f"removed {len(removed)} version(s){': ' + ', '.join(removed) if removed else ''}")
+    with artifact.root_lock(args.root):
+        dropped = milvus.drop_unpublished(args.root)
+    if dropped:
+        print(f"dropped {len(dropped)} Milvus collection(s) of removed versions")
     return 0
 
 

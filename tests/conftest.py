@@ -14,11 +14,12 @@ torch.set_num_threads(1)
 
 @pytest.fixture(autouse=True, scope="session")
 def _own_checked_dir(tmp_path_factory) -> None:
-    """Servers the tests start (in process or not) remember checked versions in a directory
-    of this session's, not in the user's cache."""
+    """Servers the tests start (in process or not) remember checked versions and the exact
+    search's kernel choice in directories of this session's, not in the user's cache."""
     import os
 
     os.environ["HCLIP_CHECKED_DIR"] = str(tmp_path_factory.mktemp("checked"))
+    os.environ["HCLIP_KERNELS_DIR"] = str(tmp_path_factory.mktemp("kernels"))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

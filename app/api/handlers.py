@@ -12,7 +12,8 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.http import JSONResponse
-from app.core.errors import ApiError, retry_after
+from app.core.errors import ApiError, BackendDown, retry_after
+from indexer.store.artifact import BackendUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +84,14 @@ def install(app: FastAPI) -> None:
             exc.status_code, kind, str(exc.detail), request_id(request), headers=exc.headers
         )
 
+    async def backend_down(request: Request, exc: Exception) -> JSONResponse:
+        down = BackendDown(str(exc))
+        return envelope(
+            down.status, down.error_type, down.message, request_id(request), down.retry_after_s
+        )
+
     app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(BackendUnavailable, backend_down)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(StarletteHTTPException, http_error)
     # Anything else is caught by RequestContextMiddleware (app/middleware.py), which answers a

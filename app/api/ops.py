@@ -59,6 +59,8 @@ def _view_info(entry: dict[str, Any]) -> dict[str, Any]:
         out["tuning"] = {
             k: tuning[k] for k in ("picked", "served_batch", "check", "flat", "why") if k in tuning
         }
+    if "milvus" in entry:  # a view held in Milvus (indexer.store.milvus.served_manifest)
+        out["milvus"] = entry["milvus"]
     return out
 
 
@@ -86,6 +88,7 @@ async def info(state: State, serving: Serving) -> JSONResponse:
             "created": m.get("created"),
             "views": {name: _view_info(v) for name, v in m["views"].items()},
             "counts": m["counts"],
+            "backend": (m.get("backend") or {}).get("kind", "faiss"),
             "cache": state.cache.backend,
             "rejected_versions": _rejected(state),
         }

@@ -209,6 +209,10 @@ class ViewInfo(BaseModel):
         description="for a view the tuner chose (--spec auto): the pick, the batch size it "
         "served at, its and flat search's queries/s alone and in batches, or why it stayed flat",
     )
+    milvus: dict[str, Any] | None = Field(
+        None,
+        description="for a view held in Milvus (--backend milvus): its collection and index type",
+    )
 
 
 class RejectedVersion(BaseModel):
@@ -237,6 +241,7 @@ class InfoResponse(BaseModel):
     created: str | None
     views: dict[str, ViewInfo]
     counts: dict[str, Any]
+    backend: str = Field("faiss", description="where the views live: faiss or milvus")
     cache: str
     rejected_versions: list[RejectedVersion]
 

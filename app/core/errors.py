@@ -12,8 +12,9 @@ One status per class of mistake:
 - 408 `body_timeout`: the body did not arrive within HCLIP_BODY_TIMEOUT_S (the connection is
   closed);
 - 409 `version_rejected`: an admin reload found a version that cannot be served;
-- 503 `not_ready`, `overloaded` (a queue is full) and `deadline_exceeded` (the request ran
-  past HCLIP_REQUEST_TIMEOUT_S), with Retry-After;
+- 503 `not_ready`, `overloaded` (a queue is full), `deadline_exceeded` (the request ran
+  past HCLIP_REQUEST_TIMEOUT_S) and `backend_unavailable` (Milvus did not answer), with
+  Retry-After;
 - 500 `internal_error`: a bug; the request id is in the response and in the log line.
 """
 
@@ -72,6 +73,14 @@ class Overloaded(ApiError):
 class DeadlineExceeded(ApiError):
     status, error_type = 503, "deadline_exceeded"
     retry_after_s = 1.0
+
+
+class BackendDown(ApiError):
+    """The store a version's views live in (Milvus) did not answer: the request is worth
+    sending again."""
+
+    status, error_type = 503, "backend_unavailable"
+    retry_after_s = 2.0
 
 
 class VersionRejected(ApiError):

@@ -116,6 +116,27 @@ class Settings(BaseSettings):
         "(default: $XDG_CACHE_HOME/hclip/checked or ~/.cache/hclip/checked)",
     )
     media_dir: Path | None = Field(None, description="demo media served under /media")
+    milvus_uri: str | None = Field(
+        None,
+        description="the Milvus that versions on the milvus backend are searched in (default: "
+        "the URI their build wrote; the token comes from HCLIP_MILVUS_TOKEN)",
+    )
+    milvus_timeout_s: float = Field(
+        5.0, gt=0, description="each call to Milvus: past it the request answers 503"
+    )
+    kernels_dir: Path = Field(
+        # beside the checked versions; indexer.search.crossover (torch, FAISS) is not imported
+        # by settings, which `hclip serve --help` reads
+        default_factory=lambda: default_directory().parent / "kernels",
+        description="where this machine keeps the batch size from which exact search runs "
+        "matrix products, measured once (default: $XDG_CACHE_HOME/hclip/kernels)",
+    )
+    exact_products_from: int | None = Field(
+        None,
+        ge=1,
+        description="exact search runs matrix products from this many queries in a batch and "
+        "the blocked scan below (default: measured once per machine, indexer.search.crossover)",
+    )
 
     batch_max: int = Field(64, ge=1, description="queries gathered into one FAISS call")
     batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")

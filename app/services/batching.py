@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from app.core.errors import Overloaded
-from indexer.search.view import View
+from indexer.search.view import Searchable
 from models.encoders import decode
 from models.heads import Head
 from models.limits import InputError, InputLimits
@@ -158,7 +158,7 @@ class NotFiniteQuery(InputError):
     """The query factor overflowed: the request's values are to blame."""
 
 
-def query_factors(head: Head, view: View, items: list[SearchItem]) -> np.ndarray:
+def query_factors(head: Head, view: Searchable, items: list[SearchItem]) -> np.ndarray:
     """(B, D) float32: the head's query factors of a batch, computed in one call."""
     embs = {m: torch.from_numpy(np.stack([it.embs[m] for it in items])) for m in view.query}
     with torch.inference_mode():  # no autograd bookkeeping on the serving path
@@ -166,14 +166,14 @@ def query_factors(head: Head, view: View, items: list[SearchItem]) -> np.ndarray
 
 
 def search_batcher(
-    view: View,
+    view: Searchable,
     head: Head,
     executor: Executor,
     max_batch: int,
     wait_s: float,
     on_batch: Callable[[int], None],
     max_pending: int = 1024,
-    mask_of: Callable[[View, dict[str, Any]], np.ndarray] | None = None,
+    mask_of: Callable[[Any, dict[str, Any]], Any] | None = None,
     on_loop: bool = False,
     parts_for: Callable[[], int] = lambda: 1,
     alone: Callable[[], bool] = lambda: False,

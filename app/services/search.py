@@ -31,6 +31,7 @@ import orjson
 
 from app.core.errors import (
     ApiError,
+    BackendDown,
     DeadlineExceeded,
     InvalidInput,
     TooLarge,
@@ -43,6 +44,7 @@ from app.services.batching import SearchItem
 from app.services.cache import Cache
 from app.services.idle_cores import SearchLoad
 from app.services.versions import ServingVersion
+from indexer.store.artifact import BackendUnavailable
 from indexer.store.fields import FilterError
 from models.encoders import decode
 from models.limits import FLOAT32_MAX, InputError, InputLimits, InputTooLarge
@@ -230,11 +232,13 @@ class SearchService:
                 embs = await self._embeddings(serving, body, c, digests)
                 item = SearchItem(embs, c.k, c.filter, c.effort, c.field)
                 scores, rows = await serving.searchers[c.view].submit(item)
+            encoded = self._format(serving, c, scores, rows)
         except InputError as exc:  # the query factor overflowed
             raise InvalidInput(str(exc)) from None
+        except BackendUnavailable as exc:  # Milvus, for a version whose views live there
+            raise BackendDown(str(exc)) from None
         finally:
             self.load.end()
-        encoded = self._format(serving, c, scores, rows)
         await self.cache.set(key, encoded, s.cache_ttl_s)
         # The cached form lacks the `cached` flag: it is spliced in as the first key, so neither
         # a hit nor a miss serialises the results twice.

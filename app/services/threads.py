@@ -16,7 +16,7 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _search_thread(faiss_threads: int, torch_threads: int) -> None:
+def search_thread_setup(faiss_threads: int, torch_threads: int) -> None:
     faiss.omp_set_num_threads(faiss_threads)
     torch.set_num_threads(torch_threads)  # batches are torch matrix products
 
@@ -31,7 +31,7 @@ class WorkerPools:
         self.search = ThreadPoolExecutor(
             1,
             thread_name_prefix="search",
-            initializer=_search_thread,
+            initializer=search_thread_setup,
             initargs=(search_threads, torch_threads),
         )
         self._encoders: dict[str, ThreadPoolExecutor] = {}

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,11 @@ from app.services.batching import (
     search_batcher,
 )
 from app.services.idle_cores import SearchLoad
-from app.services.threads import WorkerPools
+from app.services.threads import WorkerPools, search_thread_setup
+from indexer.search import crossover
 from indexer.store import artifact
 from indexer.store.checked import CheckedVersions, signature
+from indexer.store.milvus import MilvusVersion
 from indexer.store.verify import verify_contents, verify_files
 from indexer.store.version import LoadedVersion
 from models.checkpoint import fingerprint, load_model
@@ -51,6 +54,31 @@ def signature_or_none(vdir: Path) -> str | None:
         return signature(vdir)
     except OSError:
         return None
+
+
+Served = LoadedVersion | MilvusVersion
+
+
+def open_milvus(vdir: Path, uri: str | None, timeout_s: float) -> MilvusVersion:
+    """A version whose views live in Milvus: only its manifest is read here; its collections
+    must exist, hold the manifest's counts and load (indexer.store.milvus)."""
+    try:
+        manifest = artifact.read_manifest(vdir)
+        if manifest.get("version") != vdir.name:
+            raise FailedChecks(
+                f"version {vdir.name} failed verification: its manifest names version "
+                f"{manifest.get('version')!r}"
+            )
+        return MilvusVersion(vdir, manifest, uri, timeout_s)
+    except (artifact.ArtifactError, artifact.BackendUnavailable, KeyError, ValueError) as exc:
+        raise VersionRejected(f"version {vdir.name} cannot be opened: {exc}") from None
+
+
+def backend_of(vdir: Path) -> str:
+    try:
+        return str((artifact.read_manifest(vdir).get("backend") or {}).get("kind", "faiss"))
+    except artifact.ArtifactError:
+        return "faiss"  # the checks below name what is wrong with it
 
 
 def open_checked(vdir: Path, level: str, checked: CheckedVersions | None = None) -> LoadedVersion:
@@ -81,7 +109,7 @@ def open_checked(vdir: Path, level: str, checked: CheckedVersions | None = None)
 
 @dataclass
 class ServingVersion:
-    index: LoadedVersion
+    index: Served
     model: MultimodalModel
     searchers: dict[str, MicroBatcher[SearchItem, SearchResult]] = field(
         default_factory=dict
@@ -158,21 +186,48 @@ class VersionManager:
         self._search_on_loop = settings.searches_on_loop()
         self.load = load or SearchLoad(machine_cores())
         self.checked = CheckedVersions(settings.checked_dir)
+        self._products_from: dict[int, int] = {}  # d -> indexer.search.crossover's choice
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers,
         and warm its search path up, so that its first request costs what every other does."""
-        index = open_checked(
-            artifact.version_dir(self.root, version_id), self.settings.verify_on_load, self.checked
-        )
+        vdir = artifact.version_dir(self.root, version_id)
+        s = self.settings
+        index: Served
+        if backend_of(vdir) == "milvus":
+            index = open_milvus(vdir, s.milvus_uri, s.milvus_timeout_s)
+        else:
+            index = open_checked(vdir, s.verify_on_load, self.checked)
         model = self._model_for(index)
+        for view in index.views.values():
+            if view.vectors is not None:
+                view.products_from = self._crossover(view.dim)
         serving = self._serving(index, model)
         t0 = time.perf_counter()
-        warm_up(serving)
+        try:
+            warm_up(serving)
+        except artifact.BackendUnavailable as exc:
+            raise VersionRejected(f"version {version_id} cannot be warmed up: {exc}") from None
         log.debug("version %s warmed up in %.3f s", version_id, time.perf_counter() - t0)
         return serving
 
-    def _model_for(self, index: LoadedVersion) -> MultimodalModel:
+    def _crossover(self, dim: int) -> int:
+        """The batch size from which exact search runs products: the setting, or the choice
+        measured once per machine (indexer.search.crossover), on a thread set up as the one
+        searches run on (the event loop's runs torch on one thread)."""
+        s = self.settings
+        if s.exact_products_from is not None:
+            return s.exact_products_from
+        if dim not in self._products_from:
+            threads = 1 if self._search_on_loop else self.pools.torch_threads
+            with ThreadPoolExecutor(
+                1, initializer=search_thread_setup, initargs=(s.search_threads, threads)
+            ) as pool:
+                found = pool.submit(crossover.products_from, dim, threads, s.kernels_dir)
+                self._products_from[dim] = found.result()
+        return self._products_from[dim]
+
+    def _model_for(self, index: Served) -> MultimodalModel:
         """The model that built `index`, loaded once and shared by its later versions."""
         model = self._models.get(index.fingerprint)
         if model is not None:
@@ -191,7 +246,7 @@ class VersionManager:
         self._models = {index.fingerprint: model}  # keep only the model in use
         return model
 
-    def _serving(self, index: LoadedVersion, model: MultimodalModel) -> ServingVersion:
+    def _serving(self, index: Served, model: MultimodalModel) -> ServingVersion:
         s = self.settings
         serving = ServingVersion(index, model)
         wait_s = s.batch_wait_ms / 1000.0

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import orjson
 
+from indexer.build import milvus_export
 from indexer.build.local import encode_local
 from indexer.build.views import FlatViewsWriter, build_view
 from indexer.build.writer import RowWriter
@@ -21,7 +22,7 @@ from indexer.ingest.checks import ChunkChecker
 from indexer.ingest.sources import CHUNK_ROWS, RecordFiles
 from indexer.ingest.validate import Rejected, Validator
 from indexer.search.specs import IndexSpec
-from indexer.store import artifact
+from indexer.store import artifact, milvus
 from indexer.store.arrays import NpyRows
 from indexer.store.recordstore import ID_HASH_KIND, RecordStore, id_hash_of
 from indexer.store.rows import StoredRows, embedding_path, load_rows
@@ -52,6 +53,9 @@ class JobOptions:
     ray_address: str | None = None  # None: a local Ray started and stopped by the job
     workers: int | None = None  # Ray encoding actors; None: one per CPU that Ray offers
     chunk_rows: int = CHUNK_ROWS  # records checked at once (local), per block and shard (Ray)
+    backend: str | None = None  # "faiss" or "milvus"; None: the root's (ROOT/backend.json)
+    milvus_uri: str | None = None  # None: the root's
+    shards: int = 1  # Milvus shards per collection
 
 
 @dataclass
@@ -145,9 +149,11 @@ def _finish(
     fields: dict[str, dict[str, Any]],
     timings: dict[str, float],
     written: FlatViewsWriter | None,
+    target: Target = None,
 ) -> JobResult:
     """Build every view from the staged embeddings (or finish those written with the rows),
-    write the manifest, check and publish."""
+    write the manifest, check and publish; on the milvus backend (`target`), write the
+    collections first: CURRENT names the version only once every one is loaded."""
     stored = load_rows(stage, model.names, mmap=False)
     if stored.count == 0:
         raise RecordError("no valid records: nothing to index")
@@ -186,12 +192,60 @@ def _finish(
         timings["check_s"] = time.perf_counter() - t
         return problems
 
+    if target is not None:
+        start = time.perf_counter()
+        milvus_target, milvus_spec = target
+        manifest["backend"] = milvus_export.export(
+            stage, manifest, milvus_target, milvus_spec, model.head, stored
+        )
+        timings["milvus_s"] = time.perf_counter() - start
     start = time.perf_counter()
-    path = artifact.publish(root, stage, manifest, check if opts.check else None)
+    try:
+        path = artifact.publish(root, stage, manifest, check if opts.check else None)
+    except BaseException:
+        if target is not None:
+            milvus.drop_version(manifest["backend"])
+        raise
     timings["publish_s"] = time.perf_counter() - start  # checksums, the check, fsync, rename
+    if target is not None:
+        milvus_export.point_aliases(manifest)
     log.info("published version %s (%d records, %d views)", stage.name, stored.count, len(views))
     log.info("timings: %s", ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
     return JobResult(stage.name, path, manifest, list(rejected), timings)
+
+
+Target = tuple[milvus_export.MilvusTarget, IndexSpec] | None
+
+
+def _backend(root: Path, opts: JobOptions, previous: str | None = None) -> Target:
+    """The job's backend: --backend, else the version it updates (`previous`), else the
+    root's; for milvus, its target and the spec its collections get, the local views staying
+    flat (their vectors are what the collections are written from). Records the root's
+    backend and drops collections no published version names (only with the lock held)."""
+    config = milvus.read_root(root)
+    kind = opts.backend or previous or (config["kind"] if config else "faiss")
+    if config is not None and config.get("uri"):
+        try:
+            milvus.drop_unpublished(root)
+        except artifact.BackendUnavailable as exc:
+            if kind == "milvus":
+                raise
+            log.warning("collections left in Milvus not dropped: %s", exc)
+    if kind == "faiss":
+        if config is not None and config["kind"] != "faiss":
+            milvus.write_root(root, "faiss", None)
+        return None
+    uri = opts.milvus_uri or (config or {}).get("uri")
+    if not uri:
+        raise artifact.ArtifactError("--backend milvus needs --milvus-uri (a Milvus Lite file "
+                                     "path, or http://host:19530)")  # fmt: skip
+    spec = opts.spec
+    milvus_export.index_of(spec, 1)  # a spec Milvus cannot build stops here, before encoding
+    config = milvus.write_root(root, "milvus", uri)
+    opts.spec = IndexSpec("flat")
+    target = milvus_export.MilvusTarget(uri, str(config["prefix"]), opts.shards)
+    milvus.connect(uri).close()  # an unreachable Milvus stops the job before it encodes
+    return target, spec
 
 
 def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> JobResult:
@@ -201,6 +255,7 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
     files = RecordFiles.resolve(records_path)
     with artifact.root_lock(root):
         artifact.clean_staging(root)
+        target = _backend(root, opts)
         stage = artifact.staging_dir(root, artifact.new_version_id())
         with artifact.removed_on_failure(root, stage):
             fields = opts.filter_fields or ()
@@ -219,7 +274,18 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
             info = writer.store.fields_info
             rejected = admission.rejected
             return _finish(
-                root, stage, model, block, opts, rejected, parent, extra, info, timings, views
+                root,
+                stage,
+                model,
+                block,
+                opts,
+                rejected,
+                parent,
+                extra,
+                info,
+                timings,
+                views,
+                target,
             )
 
 
@@ -301,6 +367,7 @@ def update(
         model = load_model(model_dir)
         if not spec_given:
             opts.spec = _previous_spec(manifest)
+        target = _backend(root, opts, (manifest.get("backend") or {}).get("kind"))
         if opts.views is None:
             opts.views = [tuple(v["query"]) for v in manifest["views"].values()]
         if opts.filter_fields is None:
@@ -375,11 +442,15 @@ def update(
                 info,
                 timings,
                 views,
+                target,
             )
 
 
 def _previous_spec(manifest: dict[str, Any]) -> IndexSpec:
-    specs = [IndexSpec.from_dict(v["spec"]) for v in manifest["views"].values() if v["count"]]
+    backend = manifest.get("backend") or {}
+    entries = backend.get("views") or manifest["views"]  # Milvus's indexes, where it holds them
+    specs = [IndexSpec.from_dict(v["spec"]) for n, v in entries.items()
+             if manifest["views"][n]["count"]]  # fmt: skip
     approx = [s for s in specs if not s.exact]
     return approx[0] if approx else IndexSpec("flat")
 

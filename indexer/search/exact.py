@@ -1,13 +1,14 @@
 """Exact maximum-inner-product search over a memory-mapped (N, D) float32 matrix.
 
-Library kernels and a fixed rule by batch size: a lone query is FAISS's scan (faiss.knn: one
-pass over the rows with a top-k heap, no temporary the size of the view); a few queries (up to
-SMALL_BATCH) are the same scan over blocks of rows small enough to stay in cache while every
-query of the batch reads them, so that one pass over memory serves the batch (a matrix
-product of a few rows is memory-bound too, and pays its BLAS's set-up per block); a larger
-batch is a matrix product with torch's BLAS and torch's top-k, over blocks of rows so that the
-scores of a block stay small. FAISS's own batched path runs the BLAS bundled with its wheel,
-which some CPUs get only generic kernels of; torch's dispatches on the CPU it finds.
+Library kernels chosen by batch size: a lone query is FAISS's scan (faiss.knn: one pass over
+the rows with a top-k heap, no temporary the size of the view); a few queries (below a
+crossover measured per machine, indexer.search.crossover) are the same scan over blocks of rows
+small enough to stay in cache while every query of the batch reads them, so that one pass over
+memory serves the batch (a matrix product of a few rows is memory-bound too, and pays its
+BLAS's set-up per block); a larger batch is a matrix product with torch's BLAS and torch's
+top-k, over blocks of rows so that the scores of a block stay small. FAISS's own batched path
+runs the BLAS bundled with its wheel, which some CPUs get only generic kernels of; torch's
+dispatches on the CPU it finds.
 
 A lone query on an otherwise idle machine is bound by one core's memory bandwidth: `parts`
 scans slices of the rows on that many threads at once (FAISS lets go of the GIL) and merges
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import faiss
@@ -30,9 +32,11 @@ import numpy as np
 import torch
 
 MIN_PART_ROWS = 8192  # a slice smaller than this costs a thread more than it saves
-# Up to this many queries, the blocked scan; from it on, torch's products (docs/benchmarks/
-# serving.md: the two cross between 8 and 16 queries on the machines measured).
+# From this many queries on, torch's products, below it the blocked scan, unless the caller
+# passes the crossover measured on its machine (indexer.search.crossover): a rule that held on
+# the first CPUs measured, for the tuner and tools that do not measure.
 SMALL_BATCH = 8
+Kernel = Callable[[np.ndarray, np.ndarray, int], tuple[np.ndarray, np.ndarray]]
 CACHE_BLOCK_BYTES = 1 << 21  # rows of the view that stay in cache while a batch scans them
 BLOCK_ROWS = 16384  # scores of a block stay small: (B, 16384) float32 is 4 MB at B = 64
 SUBSET_FRACTION = 0.25  # below this share of allowed rows, copy them out and search the copy
@@ -122,14 +126,16 @@ def _empty(nq: int) -> tuple[np.ndarray, np.ndarray]:
     return np.zeros((nq, 0), np.float32), np.zeros((nq, 0), np.int64)
 
 
-def search(xq: np.ndarray, xb: np.ndarray, k: int, parts: int = 1) -> tuple[np.ndarray, np.ndarray]:
+def search(
+    xq: np.ndarray, xb: np.ndarray, k: int, parts: int = 1, products_from: int = SMALL_BATCH
+) -> tuple[np.ndarray, np.ndarray]:
     """(scores, positions), (nq, min(k, N)); empty when N or k is 0. `parts`: the threads a
-    lone query may scan on."""
+    lone query may scan on; `products_from`: the batch size from which products run."""
     k = min(k, xb.shape[0])
     if k == 0 or len(xq) == 0:
         return _empty(len(xq))
     xq = np.ascontiguousarray(xq, dtype=np.float32)
-    if len(xq) >= SMALL_BATCH:
+    if len(xq) >= products_from:
         return product_topk(xq, xb, k)
     if len(xq) > 1:
         return blocked_scan(xq, xb, k)

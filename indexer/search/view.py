@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -14,6 +14,29 @@ from indexer.search import ann, exact
 from indexer.search.specs import IndexSpec
 
 EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are exact
+
+
+class Searchable(Protocol):
+    """What the service needs of a view: View here, or a collection in Milvus
+    (indexer.store.milvus.MilvusView), whose filters are expressions instead of masks."""
+
+    name: str
+    query: tuple[str, ...]
+    target: tuple[str, ...]
+    spec: IndexSpec
+    dim: int
+    vectors: np.ndarray | None
+    products_from: int
+
+    @property
+    def default_effort(self) -> int | None: ...
+
+    def effort_used(self, effort: int | None, k: int) -> int | None: ...
+
+    def search(
+        self, xq: np.ndarray, k: int, allowed: Any = None, effort: int | None = None,
+        parts: int = 1,
+    ) -> tuple[np.ndarray, np.ndarray]: ...  # fmt: skip
 
 
 @dataclass
@@ -34,6 +57,8 @@ class View:
     width: int | None = None
     # approximate: position -> exact vectors, recomputed from the stored embeddings
     exact_vectors: Callable[[np.ndarray], np.ndarray] | None = None
+    # flat: the batch size from which exact search runs products (indexer.search.crossover)
+    products_from: int = exact.SMALL_BATCH
 
     @property
     def count(self) -> int:
@@ -64,7 +89,7 @@ class View:
         xq = np.ascontiguousarray(xq, dtype=np.float32)
         if self.vectors is not None:
             if allowed is None:
-                scores, pos = exact.search(xq, self.vectors, k, parts)
+                scores, pos = exact.search(xq, self.vectors, k, parts, self.products_from)
             else:
                 scores, pos = exact.search_allowed(xq, self.vectors, k, allowed)
         else:

@@ -52,6 +52,11 @@ class ArtifactError(RuntimeError):
     """The index root or a version in it is missing, locked, or inconsistent."""
 
 
+class BackendUnavailable(RuntimeError):
+    """The store a version's views live in (Milvus, indexer.store.milvus) did not answer in
+    time or refused the call: worth trying again; the service answers 503 meanwhile."""
+
+
 class StorageError(ArtifactError):
     """The filesystem failed a job (full, read-only, gone): what it was doing, where, and the
     free space there, in one line."""

@@ -155,6 +155,15 @@ class FieldColumns:
                 raw = json.loads((d / f"{n}.values.json").read_text())
                 self.values[n] = {_key(v): i for i, v in enumerate(raw)}
 
+    @classmethod
+    def declared(cls, fields: Mapping[str, Mapping[str, Any]]) -> FieldColumns:
+        """The fields' types without their columns: validate() works, evaluate() does not (a
+        version whose rows live elsewhere, indexer.store.milvus)."""
+        self = cls.__new__(cls)
+        self.types = {n: str(f["type"]) for n, f in fields.items()}
+        self.num, self.codes, self.values = {}, {}, {}
+        return self
+
     def __len__(self) -> int:
         cols = [*self.num.values(), *self.codes.values()]
         return len(cols[0]) if cols else 0

@@ -162,6 +162,12 @@ def verify(vdir: Path) -> list[str]:
         return problems
     try:
         LoadedVersion(vdir).records.close()  # opens: every shape checked against the manifest
-        return verify_contents(vdir)
+        problems = verify_contents(vdir)
     except Exception as exc:  # any failure to open or read is a verification failure, reported
         return [f"cannot open: {exc}"]
+    manifest = artifact.read_manifest(vdir)
+    if not problems and (manifest.get("backend") or {}).get("kind") == "milvus":
+        from indexer.store import milvus  # pymilvus: only for versions that live in Milvus
+
+        problems = milvus.verify_backend(vdir, manifest)
+    return problems

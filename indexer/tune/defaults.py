@@ -10,3 +10,5 @@ SERVED_BATCH = 16  # the batch a worker forms under load: 32 connections over tw
 # served batch size) to be picked: a smaller gain is not worth the lost recall, and timings on a
 # shared machine vary by more.
 MIN_SPEEDUP = 1.5
+# After this long, with some structure meeting the target, the tuner tries no more (seconds).
+BUDGET_S = 600.0

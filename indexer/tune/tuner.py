@@ -60,7 +60,7 @@ from indexer.search.specs import (
     new_index,
     set_search_params,
 )
-from indexer.tune.defaults import FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, SERVED_BATCH
+from indexer.tune.defaults import BUDGET_S, FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, SERVED_BATCH
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +173,10 @@ class TuneOptions:
     served_batch: int = SERVED_BATCH  # queries per search call the server forms under load
     held_out: dict[str, np.ndarray] = field(default_factory=dict)  # view name -> query vectors
     timing_s: float = MIN_TIMING_S  # each speed measurement runs at least this long, twice
+    # Once this long has passed and some structure meets the target, the structures not yet
+    # tried are skipped (and named in the report): a large view's HNSW build alone can take
+    # many minutes on a few cores. None: try them all.
+    budget_s: float | None = BUDGET_S
 
 
 @dataclass
@@ -295,9 +299,6 @@ def grid(n: int, dim: int, families: Sequence[str]) -> list[IndexSpec]:
     dimension) re-ranked from 4 x k. Compressed codes cannot order the near-ties of a tight
     cluster, hence the re-ranking depths."""
     out: list[IndexSpec] = []
-    if "hnsw" in families:
-        for m in (16, 32) if n <= 250_000 else (32,):
-            out.append(IndexSpec("hnsw", {"M": m, "ef_construction": 200, "ef_search": 16}))
     lists = nlists(n)
     for kind in ("ivf", "ivfip"):
         if kind in families:
@@ -309,6 +310,10 @@ def grid(n: int, dim: int, families: Sequence[str]) -> list[IndexSpec]:
             out.append(IndexSpec("ivfpq", params))
     if "ivfsq" in families:
         out.append(IndexSpec("ivfsq", {"nlist": lists[-1], "nprobe": 1, "rerank": 4}))
+    # HNSW last: its builds take the longest, and a time budget (TuneOptions) cuts the tail.
+    if "hnsw" in families:
+        for m in (16, 32) if n <= 250_000 else (32,):
+            out.append(IndexSpec("hnsw", {"M": m, "ef_construction": 200, "ef_search": 16}))
     return out
 
 
@@ -380,6 +385,7 @@ class Tuner:
         self.min_speedup = opts.min_speedup
         self.batch = max(1, opts.served_batch)
         self.timing_s = opts.timing_s
+        self.budget_s = opts.budget_s
         self.n, self.dim = work.vectors.shape
         self.max_norm = mips.max_norm(work.vectors)
         self.points: list[Point] = []
@@ -410,6 +416,12 @@ class Tuner:
             self.flat.batch_kernel,
         )
         for spec in grid(self.n, self.dim, self.families):
+            spent = time.perf_counter() - t0
+            if self.budget_s is not None and spent > self.budget_s and self.built:
+                self.notes[structure_of(spec)] = (
+                    f"not tried: {spent:.0f} s spent, past the time budget of {self.budget_s:g} s"
+                )
+                continue
             self._sweep(spec)
         self._mark_pareto()
         return self._pick(t0)

@@ -72,3 +72,11 @@ def test_compose_services() -> None:
     indexer = services["indexer"]
     assert indexer["profiles"] == ["indexer"] and indexer["command"][0] == "build"
     assert "index:/data/index" in indexer["volumes"]
+    # the milvus profile: Milvus standalone on its etcd and MinIO, and a build into it
+    milvus = services["milvus"]
+    assert milvus["profiles"] == ["milvus"] and milvus["command"][-1] == "standalone"
+    assert set(milvus["depends_on"]) == {"milvus-etcd", "milvus-minio"}
+    job = services["indexer-milvus"]["command"]
+    assert job[job.index("--backend") + 1] == "milvus"
+    assert job[job.index("--milvus-uri") + 1] == "http://milvus:19530"
+    assert api["build"]["args"]["EXTRAS"] == "${HCLIP_EXTRAS:-}"

@@ -94,6 +94,19 @@ def test_tuner_meets_its_target_on_queries_it_did_not_tune_on() -> None:
     assert recall >= 0.9 - 0.02, (recall, result.spec)
 
 
+def test_past_its_time_budget_the_tuner_tries_no_more_structures() -> None:
+    work, _ = hadamard_workload(n=6000, d=16, n_queries=200, seed=1)
+    opts = tune.TuneOptions(min_speedup=0.0, timing_s=FAST, budget_s=0.0)
+    result = tune.tune(work, 0.9, opts)
+    structures = result.report["structures"]
+    skipped = [n for n, why in structures.items() if why.startswith("not tried")]
+    tried = [n for n, why in structures.items() if not why.startswith("not tried")]
+    # The first structure that meets the target ends the search once the budget is spent.
+    assert tried and skipped and any("hnsw" in n for n in skipped), structures
+    assert not result.spec.exact and result.recall >= 0.9
+    assert {p["structure"] for p in result.report["frontier"]} <= set(tried)
+
+
 def test_tuner_falls_back_to_flat_and_says_why() -> None:
     work, _ = hadamard_workload(n=3000, d=16, n_queries=100, seed=1)
     # No index is a million times faster than flat search.

@@ -1,0 +1,339 @@
+"""Writing a staged version into Milvus (`--backend milvus`): its records collection and one
+collection per view (the layout is indexer.store.milvus's), each indexed as `--spec` says,
+flushed, loaded and counted before the version may be published; and removing collections
+that no published version names (a killed job's, or those of versions gc removed).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from indexer.build.views import sample_queries
+from indexer.search import exact
+from indexer.search.specs import IndexSpec, SpecError, resolved_params
+from indexer.store import artifact, milvus
+from indexer.store.recordstore import RecordStore, id_hash_of
+from indexer.store.rows import StoredRows
+from models.heads import Head
+
+log = logging.getLogger(__name__)
+
+INSERT_BYTES = 8 << 20  # per insert call: well under Milvus's 64 MB per request
+VARCHAR_MAX = 65_535  # Milvus's longest VARCHAR, in bytes
+RECALL_QUERIES = 200
+RECALL_K = 10
+
+
+@dataclass
+class MilvusTarget:
+    uri: str
+    prefix: str
+    shards: int = 1
+    timeout_s: float = 120.0  # index builds and loads of large collections take a while
+
+
+def index_of(spec: IndexSpec, n: int) -> tuple[str, dict[str, int]]:
+    """The Milvus index type and build parameters for a spec (metric IP)."""
+    kind = milvus.INDEX_TYPES.get(spec.kind)
+    if kind is None or spec.tuned:
+        raise SpecError(
+            f"--spec {spec}: with --backend milvus give flat, ivf, hnsw, ivfpq or ivfsq "
+            "(auto measures FAISS indexes on this machine, not Milvus's)"
+        )
+    p = resolved_params(spec, n)
+    params = {
+        "FLAT": {},
+        "IVF_FLAT": {"nlist": p.get("nlist", 0)},
+        "IVF_SQ8": {"nlist": p.get("nlist", 0)},
+        "IVF_PQ": {"nlist": p.get("nlist", 0), "m": p.get("m", 0), "nbits": p.get("nbits", 0)},
+        "HNSW": {"M": p.get("M", 0), "efConstruction": p.get("ef_construction", 0)},
+    }[kind]
+    return kind, params
+
+
+def _longest(offsets_path: Path) -> int:
+    off = np.load(offsets_path, mmap_mode="r")
+    return int(np.diff(off).max()) if len(off) > 1 else 0
+
+
+def _varchar_length(stage: Path, what: str, offsets: str, store: RecordStore) -> int:
+    longest = _longest(stage / "records" / offsets)
+    if longest > VARCHAR_MAX:
+        off = np.load(stage / "records" / offsets, mmap_mode="r")
+        row = int(np.argmax(np.diff(off)))
+        raise artifact.ArtifactError(
+            f"record {store.id_at(row)!r}: its {what} is {longest} bytes, over the {VARCHAR_MAX} "
+            "Milvus holds in one field; keep large data outside the payload (a URI to it)"
+        )
+    return max(16, longest)
+
+
+class _Writer:
+    def __init__(self, target: MilvusTarget):
+        self.target = target
+        self.client = milvus.connect(target.uri, target.timeout_s)
+        self.created: list[str] = []
+        self.pymilvus = milvus._pymilvus()
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return getattr(self.client, method)(*args, timeout=self.target.timeout_s, **kwargs)
+        except Exception as exc:
+            if not milvus.is_transient(exc):
+                raise
+            raise artifact.BackendUnavailable(
+                f"Milvus at {self.target.uri}: {method} failed ({milvus._reason(exc)})"
+            ) from None
+
+    def create(self, name: str, schema: Any, field: str, kind: str, params: dict[str, int]) -> None:
+        index = self.client.prepare_index_params()
+        index.add_index(field_name=field, index_type=kind, metric_type="IP", params=params)
+        if self.call("has_collection", name):
+            self.call("drop_collection", name)  # a dead run's, of this same version id
+        self.call(
+            "create_collection",
+            name,
+            schema=schema,
+            index_params=index,
+            num_shards=self.target.shards,
+        )
+        self.created.append(name)
+
+    def insert(self, name: str, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            self.call("insert", name, rows)
+
+    def finish(self, name: str, count: int) -> None:
+        """Flush, load and count: a collection that holds other than `count` rows stops the
+        job before anything is published."""
+        self.call("flush", name)
+        self.call("load_collection", name)
+        held = int(self.call("get_collection_stats", name)["row_count"])
+        if held != count:
+            raise artifact.ArtifactError(
+                f"Milvus collection {name} holds {held} rows after loading, expected {count}"
+            )
+
+    def drop_created(self) -> None:
+        for name in self.created:
+            try:
+                self.client.drop_collection(name, timeout=self.target.timeout_s)
+            except Exception as exc:  # the next job's clean-up drops what is left
+                log.warning("could not drop Milvus collection %s: %s", name, exc)
+
+
+def _schema(w: _Writer, stage: Path, store: RecordStore, key: str) -> Any:
+    """A collection's schema with its primary key (`row` or `pos`), the record's row, id and
+    payload: each string field as long as the version's longest."""
+    dt = w.pymilvus.DataType
+    schema = w.client.create_schema(auto_id=False, enable_dynamic_field=False)
+    schema.add_field(key, dt.INT64, is_primary=True)
+    if key != "row":
+        schema.add_field("row", dt.INT64)
+    for name, what, offsets in (("rid", "id", "ids"), ("payload", "payload", "payloads")):
+        length = _varchar_length(stage, what, f"{offsets}.offsets.npy", store)
+        schema.add_field(name, dt.VARCHAR, max_length=length)
+    return schema
+
+
+def _chunk_rows(row_bytes: int) -> int:
+    return max(1, INSERT_BYTES // max(1, row_bytes))
+
+
+def _records(
+    w: _Writer, stage: Path, name: str, store: RecordStore, stored: StoredRows, d: int
+) -> None:
+    dt = w.pymilvus.DataType
+    names = stored.names
+    schema = _schema(w, stage, store, "row")
+    schema.add_field("presence", dt.VARCHAR, max_length=max(1, len(names)))
+    schema.add_field("emb", dt.FLOAT_VECTOR, dim=len(names) * d)
+    w.create(name, schema, "emb", "FLAT", {})
+    step = _chunk_rows(4 * len(names) * d + 256)
+    for start, ids, payloads, presence in store.iter_chunks(step):
+        end = start + len(ids)
+        idx = np.arange(start, end)
+        emb = np.concatenate([np.asarray(stored.embeddings[n][idx]) for n in names], 1)
+        flags = ["".join("1" if f else "0" for f in p) for p in presence.tolist()]
+        w.insert(
+            name,
+            [
+                {
+                    "row": start + i,
+                    "rid": ids[i],
+                    "payload": payloads[i].decode(),
+                    "presence": flags[i],
+                    "emb": emb[i].tolist(),
+                }
+                for i in range(len(ids))
+            ],
+        )
+    w.finish(name, len(store))
+
+
+def _view(
+    w: _Writer,
+    stage: Path,
+    name: str,
+    view: str,
+    entry: dict[str, Any],
+    store: RecordStore,
+    types: dict[str, str],
+    spec: IndexSpec,
+) -> tuple[str, dict[str, int]]:
+    dt = w.pymilvus.DataType
+    base = stage / artifact.VIEWS
+    rows = np.load(base / f"{view}.rows.npy", mmap_mode="r")
+    vectors = np.load(base / f"{view}.npy", mmap_mode="r")
+    kind, params = index_of(spec, len(rows))
+    schema = _schema(w, stage, store, "pos")
+    for field, col in milvus.field_slots(types).items():
+        if types[field] == "numeric":
+            schema.add_field(col, dt.DOUBLE)
+            schema.add_field(f"h{col[1:]}", dt.BOOL)
+        else:
+            schema.add_field(col, dt.VARCHAR, max_length=VARCHAR_MAX)
+    schema.add_field("vector", dt.FLOAT_VECTOR, dim=int(entry["dim"]))
+    w.create(name, schema, "vector", kind, params)
+    step = _chunk_rows(4 * int(entry["dim"]) + 512)
+    for start in range(0, len(rows), step):
+        part = np.asarray(rows[start : start + step])
+        ids = [store.id_at(int(r)) for r in part]
+        payloads = [store.payload_json(int(r)) for r in part]
+        fields = milvus.field_columns(payloads, types)
+        vecs = np.asarray(vectors[start : start + step])
+        w.insert(
+            name,
+            [
+                {
+                    "pos": start + i,
+                    "row": int(part[i]),
+                    "rid": ids[i],
+                    "payload": payloads[i].decode(),
+                    "vector": vecs[i].tolist(),
+                    **{c: v[i] for c, v in fields.items()},
+                }
+                for i in range(len(part))
+            ],
+        )
+    w.finish(name, len(rows))
+    return kind, params
+
+
+def _recall(
+    w: _Writer, name: str, vectors: np.ndarray, rows: np.ndarray, xq: np.ndarray, spec: IndexSpec
+) -> float:
+    """recall@10 of the collection's index, searched as the server searches it, against exact
+    search over the view's vectors."""
+    if len(xq) == 0 or len(rows) == 0:
+        return float("nan")
+    k = min(RECALL_K, len(rows))
+    _, truth = exact.search(xq, vectors, k)
+    hits = w.call(
+        "search",
+        name,
+        data=xq.tolist(),
+        limit=k,
+        output_fields=["row"],
+        search_params=milvus.search_params(spec, None, k),
+        anns_field="vector",
+    )
+    pos_of_row = {int(r): p for p, r in enumerate(np.asarray(rows).tolist())}
+    found = [
+        len({pos_of_row[int(h["entity"]["row"])] for h in hs} & set(t.tolist()))
+        for hs, t in zip(hits, truth, strict=True)
+    ]
+    return round(sum(found) / (k * len(xq)), 4)
+
+
+def export(
+    stage: Path,
+    manifest: dict[str, Any],
+    target: MilvusTarget,
+    spec: IndexSpec,
+    head: Head,
+    stored: StoredRows,
+) -> dict[str, Any]:
+    """Write the staged version's collections; the manifest's `backend` block. On any failure
+    the collections made so far are dropped."""
+    for entry in manifest["views"].values():
+        index_of(spec, int(entry["count"]))  # a spec Milvus cannot build stops the job first
+    w = _Writer(target)
+    views = list(manifest["views"])
+    names = milvus.collection_names(target.prefix, manifest["version"], views)
+    types = {n: str(f["type"]) for n, f in (manifest.get("filter_fields") or {}).items()}
+    store = RecordStore(
+        stage, manifest["modalities"], manifest.get("filter_fields"), id_hash_of(manifest)
+    )
+    block: dict[str, Any] = {
+        "kind": "milvus",
+        "uri": target.uri,
+        "prefix": target.prefix,
+        "shards": target.shards,
+        "records": names["records"],
+        "views": {},
+    }
+    try:
+        _records(w, stage, names["records"], store, stored, int(manifest["d"]))
+        for view in views:
+            entry = manifest["views"][view]
+            collection = names["views"][view]
+            kind, params = _view(w, stage, collection, view, entry, store, types, spec)
+            own = {
+                "collection": collection,
+                "index": kind,
+                "params": params,
+                "spec": IndexSpec(spec.kind, resolved_params(spec, int(entry["count"]))).to_dict(),
+            }
+            xq = sample_queries(head, stored, tuple(entry["query"]), RECALL_QUERIES, seed=1)
+            base = stage / artifact.VIEWS
+            own["recall_at_10"] = (
+                1.0
+                if kind == "FLAT"
+                else _recall(
+                    w,
+                    collection,
+                    np.load(base / f"{view}.npy", mmap_mode="c"),
+                    np.load(base / f"{view}.rows.npy", mmap_mode="r"),
+                    xq,
+                    IndexSpec.from_dict(own["spec"]),
+                )
+            )
+            log.info(
+                "view %s: Milvus %s in %s, recall@10 %s",
+                view,
+                kind,
+                collection,
+                own["recall_at_10"],
+            )
+            block["views"][view] = own
+    except BaseException:
+        w.drop_created()
+        raise
+    finally:
+        store.close()
+    return block
+
+
+def point_aliases(manifest: dict[str, Any], timeout_s: float = 60.0) -> None:
+    """Where the server has aliases: {prefix}_current_v{i} follows the published version's
+    view collections (for other tools that read them). Best effort: CURRENT is the truth."""
+    block = manifest.get("backend") or {}
+    if block.get("kind") != "milvus":
+        return
+    try:
+        client = milvus.connect(str(block["uri"]), timeout_s)
+        for i, view in enumerate(manifest["views"]):
+            alias = milvus.alias_of(block["prefix"], i)
+            target = block["views"][view]["collection"]
+            try:
+                client.alter_alias(target, alias, timeout=timeout_s)
+            except Exception:
+                client.create_alias(target, alias, timeout=timeout_s)
+    except Exception as exc:
+        log.warning("Milvus aliases not moved (the server may not support them): %s", exc)

@@ -1,0 +1,323 @@
+"""Views in Milvus (`--backend milvus`), against a real Milvus Lite server in its own process:
+the same answers as the FAISS backend, updates, a replica that holds nothing but the manifest,
+a swap under load, the backend stopped and started again under load, and a killed build."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.app.conftest import build_index, free_port, records_v, running, settings_for, wait_until
+from tests.conftest import make_model_dir, run_cli, write_jsonl
+
+pymilvus = pytest.importorskip("pymilvus", reason="the 'milvus' extra (CI installs it)")
+FIELDS = "color,year,symbol"
+QUERY_SETS = [("a",), ("b",), ("c",), ("a", "b"), ("a", "c"), ("b", "c")]
+
+
+@contextlib.contextmanager
+def milvus_server(data: Path, port: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`milvus-lite server` on a loopback port: a Milvus the test may stop and start."""
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(data),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.2).close()
+            return True
+        except OSError:
+            return False
+
+    try:
+        wait_until(listening, 30)
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def rows_with_fields(prefix: str, n: int = 300, seed: int = 0) -> list[dict]:
+    rows = records_v(prefix, n, seed)
+    for i, r in enumerate(rows):
+        r["payload"]["color"] = ["red", "blue", "green", 'say "hi"\\'][i % 4]
+        if i % 7:
+            r["payload"]["year"] = 1990 + i % 30
+    return rows
+
+
+@pytest.fixture(scope="module")
+def milvus(tmp_path_factory) -> Iterator[str]:
+    with milvus_server(tmp_path_factory.mktemp("milvus")) as (uri, _):
+        yield uri
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory, milvus) -> tuple[Path, Path, Path, list[dict]]:
+    """The same records and model on each backend: (faiss root, milvus root, model, rows)."""
+    tmp = tmp_path_factory.mktemp("both")
+    model = make_model_dir(tmp / "model")
+    rows = rows_with_fields("v1")
+    build_index(tmp / "faiss", model, rows, tmp, "--filter-fields", FIELDS)
+    build_index(tmp / "milvus", model, rows, tmp, "--filter-fields", FIELDS,
+                "--backend", "milvus", "--milvus-uri", milvus)  # fmt: skip
+    return tmp / "faiss", tmp / "milvus", model, rows
+
+
+def queries(rows: list[dict], n: int = 4) -> Iterator[dict]:
+    """Raw queries for every view, taken from records' own modalities."""
+    for names in QUERY_SETS:
+        for r in rows[1 : 1 + n]:
+            yield {"query": {m: r[m] for m in names}, "k": 10}
+
+
+FILTERS = [
+    None,
+    {"color": "blue"},
+    {"color": 'say "hi"\\'},
+    {"color": {"in": ["red", "green"]}},
+    {"year": {"gte": 2000, "lt": 2010}},
+    {"symbol": {"in": [1, 2, 3]}, "color": "red"},
+    {"year": 1996, "color": "green"},  # fewer matches than k
+    {"color": "purple"},  # none
+]
+
+
+def search(client: httpx.Client, body: dict) -> dict:
+    r = client.post("/v1/search", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def assert_same(a: dict, b: dict, tol: float = 1e-4) -> None:
+    assert [x["id"] for x in a["results"]] == [x["id"] for x in b["results"]]
+    for x, y in zip(a["results"], b["results"], strict=True):
+        assert abs(x["score"] - y["score"]) <= tol * max(1.0, abs(x["score"]))
+        assert x["payload"] == y["payload"]
+
+
+def test_flat_views_answer_as_the_faiss_backend_with_and_without_filters(both) -> None:
+    faiss_root, milvus_root, _, rows = both
+    with running(settings_for(faiss_root)) as fa, running(settings_for(milvus_root)) as mv:
+        info = mv.get("/v1/info").json()
+        assert {v["milvus"]["index"] for v in info["views"].values()} == {"FLAT"}
+        compared = 0
+        for body in queries(rows):
+            for flt in FILTERS:
+                b = body | ({"filter": flt} if flt else {})
+                a, m = search(fa, b), search(mv, b)
+                assert_same(a, m)
+                compared += 1
+                if flt == {"color": "purple"}:
+                    assert m["results"] == []
+        assert compared == len(QUERY_SETS) * 4 * len(FILTERS)
+        few = search(mv, next(queries(rows)) | {"filter": {"year": 1996, "color": "green"}})
+        assert 0 < len(few["results"]) < 10
+        rid = rows[5]["id"]
+        assert mv.get(f"/v1/records/{rid}").json() == fa.get(f"/v1/records/{rid}").json() | {
+            "index_version": mv.get(f"/v1/records/{rid}").json()["index_version"]
+        }
+        emb_f = fa.get(f"/v1/records/{rid}/embeddings").json()["embeddings"]
+        emb_m = mv.get(f"/v1/records/{rid}/embeddings").json()["embeddings"]
+        assert emb_f.keys() == emb_m.keys()
+        for name in emb_f:
+            np.testing.assert_allclose(emb_f[name], emb_m[name], atol=1e-6)
+        assert mv.get("/v1/records/no-such-id").status_code == 404
+        bad = mv.post("/v1/search", json=next(queries(rows)) | {"filter": {"nope": 1}})
+        assert bad.status_code == 422 and "filter.nope" in bad.json()["error"]
+
+
+def test_an_approximate_spec_reports_its_recall(tmp_path, both, milvus) -> None:
+    _, milvus_root, model, rows = both
+    root = tmp_path / "hnsw"
+    build_index(root, model, rows, tmp_path, "--backend", "milvus", "--milvus-uri", milvus,
+                "--spec", "hnsw:M=8,ef_construction=40,ef_search=16")  # fmt: skip
+    manifest = json.loads(next(root.glob("versions/*/manifest.json")).read_text())
+    recalls = [v["recall_at_10"] for v in manifest["backend"]["views"].values()]
+    assert all(0.0 <= r <= 1.0 for r in recalls), recalls
+    with running(settings_for(root)) as approx, running(settings_for(milvus_root)) as flat:
+        info = approx.get("/v1/info").json()
+        assert {v["milvus"]["index"] for v in info["views"].values()} == {"HNSW"}
+        hits = total = 0
+        for body in queries(rows, 8):
+            truth = {x["id"] for x in search(flat, body)["results"]}
+            got = search(approx, body)
+            assert got["effort"] == 16
+            hits += len(truth & {x["id"] for x in got["results"]})
+            total += len(truth)
+        print(f"HNSW through the API: recall@10 {hits / total:.3f}; at build: {recalls}")
+        assert hits / total >= 0.8
+
+
+def test_updates_and_deletes_answer_as_the_faiss_backend(tmp_path, both, milvus) -> None:
+    faiss_src, milvus_src, _, rows = both
+    faiss_root, milvus_root = tmp_path / "faiss", tmp_path / "milvus"
+    shutil.copytree(faiss_src, faiss_root)
+    shutil.copytree(milvus_src, milvus_root)  # its backend.json: the same Milvus and prefix
+    upserts = rows_with_fields("v1", 40, seed=5)[:20]
+    for r in upserts:
+        r["payload"]["color"] = "red"
+    new = rows_with_fields("new", 10, seed=9)
+    write_jsonl(tmp_path / "up.jsonl", upserts + new)
+    (tmp_path / "del.txt").write_text("\n".join(r["id"] for r in rows[100:130]))
+    for root in (faiss_root, milvus_root):
+        assert run_cli("index", "update", "--root", root, "--upsert", tmp_path / "up.jsonl",
+                       "--delete", tmp_path / "del.txt", "--quiet") == 0  # fmt: skip
+    manifest = json.loads((milvus_root / "versions" / (milvus_root / "CURRENT").read_text().strip()
+                           / "manifest.json").read_text())  # fmt: skip
+    assert manifest["backend"]["kind"] == "milvus" and manifest["counts"]["records"] == 280
+    with running(settings_for(faiss_root)) as fa, running(settings_for(milvus_root)) as mv:
+        for body in queries(upserts + new, 2):
+            for flt in (None, {"color": "red"}):
+                b = body | ({"filter": flt} if flt else {})
+                assert_same(search(fa, b), search(mv, b))
+        gone = rows[110]["id"]
+        assert mv.get(f"/v1/records/{gone}").status_code == 404
+        assert mv.get(f"/v1/records/{new[0]['id']}").json()["payload"] == new[0]["payload"]
+    assert run_cli("index", "verify", "--root", milvus_root) == 0
+
+
+def test_a_replica_serves_from_the_manifest_alone(tmp_path, both) -> None:
+    faiss_root, milvus_root, _, rows = both
+    version = (milvus_root / "CURRENT").read_text().strip()
+    replica = tmp_path / "replica"
+    (replica / "versions" / version).mkdir(parents=True)
+    shutil.copy(milvus_root / "versions" / version / "manifest.json",
+                replica / "versions" / version / "manifest.json")  # fmt: skip
+    (replica / "CURRENT").write_text(version + "\n")
+    with running(settings_for(faiss_root)) as fa, running(settings_for(replica)) as mv:
+        for body in list(queries(rows, 1)):
+            assert_same(search(fa, body), search(mv, body))
+
+
+def load(client: httpx.Client, stop: threading.Event, out: list) -> None:
+    """Searches one after another until `stop`, each a new query (no cache hit): (status,
+    Retry-After, body) of each."""
+    rng = np.random.default_rng(len(out))
+    while not stop.is_set():
+        body = {"query": {"a": rng.standard_normal(6).round(4).tolist()}, "k": 5}
+        r = client.post("/v1/search", json=body)
+        out.append((r.status_code, r.headers.get("retry-after"), r.json()))
+
+
+def test_a_swap_under_load_never_mixes_versions(tmp_path, milvus) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root = tmp_path / "root"
+    milvus_args = ("--backend", "milvus", "--milvus-uri", milvus)
+    v1 = build_index(root, model, records_v("v1"), tmp_path, *milvus_args)
+    stop, out = threading.Event(), []
+    with running(settings_for(root)) as client:
+        loaders = [threading.Thread(target=load, args=(client, stop, out)) for _ in range(3)]
+        for t in loaders:
+            t.start()
+        try:
+            v2 = build_index(root, model, records_v("v2", seed=1), tmp_path)  # the root's backend
+            wait_until(lambda: client.get("/v1/info").json()["index_version"] == v2)
+            seen = len(out)
+            wait_until(lambda: len(out) > seen + 20)
+        finally:
+            stop.set()
+            for t in loaders:
+                t.join()
+    assert {s for s, _, _ in out} == {200}
+    prefix = {v1: "v1-", v2: "v2-"}
+    versions = {body["index_version"] for _, _, body in out}
+    assert versions == {v1, v2}
+    for _, _, body in out:
+        assert all(x["id"].startswith(prefix[body["index_version"]]) for x in body["results"])
+
+
+def test_milvus_stopped_under_load_answers_503_and_the_service_recovers(tmp_path) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root, data, port = tmp_path / "root", tmp_path / "milvus", free_port()
+    stop, out = threading.Event(), []
+    settings = settings_for(root, milvus_timeout_s=1.0, request_timeout_s=5.0)
+    first = milvus_server(data, port)
+    uri, _ = first.__enter__()
+    try:
+        build_index(root, model, records_v("v1"), tmp_path, "--backend", "milvus",
+                    "--milvus-uri", uri)  # fmt: skip
+        with running(settings) as client:
+            loader = threading.Thread(target=load, args=(client, stop, out))
+            loader.start()
+            try:
+                wait_until(lambda: len(out) > 10)
+                first.__exit__(None, None, None)  # Milvus goes away under load
+                up = len(out)
+                wait_until(lambda: sum(s == 503 for s, _, _ in out[up:]) >= 5, 30)
+                with running(settings, wait_ready=False) as fresh:
+                    time.sleep(0.5)
+                    assert fresh.get("/readyz").status_code == 503  # cannot load its version
+                with milvus_server(data, port):  # back on the same port and data
+                    back = len(out)
+                    wait_until(lambda: any(s == 200 for s, _, _ in out[back:]), 60)
+                    ok = max(i for i, (s, _, _) in enumerate(out) if s == 200)
+                    wait_until(lambda: len(out) > ok + 20)
+                    late = [(s, b) for s, _, b in out[ok + 5 :] if s != 200]
+                    assert not late, late[:3]
+            finally:
+                stop.set()
+                loader.join()
+    finally:
+        first.__exit__(None, None, None)
+    assert {s for s, _, _ in out} == {200, 503}
+    for status, retry, body in out:
+        if status == 503:
+            assert retry is not None
+            assert body["error_type"] in ("backend_unavailable", "deadline_exceeded"), body
+            assert "Milvus" in body["error"] or "took longer" in body["error"]
+
+
+def test_a_killed_build_leaves_current_and_its_collections_are_dropped_next(
+    tmp_path, milvus
+) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root = tmp_path / "root"
+    v1 = build_index(root, model, records_v("v1"), tmp_path, "--backend", "milvus",
+                     "--milvus-uri", milvus)  # fmt: skip
+    prefix = json.loads((root / "backend.json").read_text())["prefix"]
+    client = pymilvus.MilvusClient(uri=milvus)
+    published = {c for c in client.list_collections() if c.startswith(prefix)}
+    assert len(published) == 7  # records and six views
+    big = tmp_path / "big.jsonl"
+    write_jsonl(big, records_v("v2", 20_000, seed=2))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "index", "build", "--model", str(model), "--records",
+         str(big), "--root", str(root), "--quiet"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+    def partial() -> bool:
+        return bool({c for c in client.list_collections() if c.startswith(prefix)} - published)
+
+    try:
+        wait_until(partial, 120)
+    finally:
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+    assert (root / "CURRENT").read_text().strip() == v1
+    with running(settings_for(root)) as served:
+        assert served.get("/v1/info").json()["index_version"] == v1
+    assert partial()  # the dead job's collections are still there ...
+    assert run_cli("index", "gc", "--root", root, "--keep", "3") == 0
+    left = {c for c in client.list_collections() if c.startswith(prefix)}
+    assert left == published  # ... until the next job under the root lock drops them
+    assert run_cli("index", "verify", "--root", root) == 0
