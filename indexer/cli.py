@@ -86,6 +86,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         sp.add_argument(
             "--shards", type=int, default=1, help="with --backend milvus: shards per collection"
         )
+        sp.add_argument(
+            "--device",
+            choices=("auto", "cpu", "cuda"),
+            default="auto",
+            help="where the local engine runs the encoders: auto (a GPU when torch sees one, "
+            "under bf16 autocast where it supports it), cpu or cuda",
+        )
 
     b = sub.add_parser("build", help="encode records and publish a new version")
     b.add_argument(
@@ -169,6 +176,7 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
         backend=args.backend,
         milvus_uri=args.milvus_uri,
         shards=args.shards,
+        device=args.device,
     )
     if args.spec:
         opts.spec = IndexSpec.parse(args.spec)

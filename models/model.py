@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from models.config import ModelConfig
+from models.device import autocast_dtype, resolve_device, to_device
 from models.encoders import Encoder, build_encoder, stack
 from models.heads import Head, build_head
 from models.plugins import resolve_options
@@ -22,6 +23,22 @@ class MultimodalModel(nn.Module):
             {n: build_encoder(cfg.modalities[n], cfg.latent_dim) for n in cfg.names}
         )
         self.head: Head = build_head(cfg.head, cfg.names, cfg.latent_dim)
+        # Where encode() runs (to_inference): inputs are moved there, outputs come back as
+        # float32 on the CPU, whatever the device and precision.
+        self.run_device = torch.device("cpu")
+        self.run_amp: torch.dtype | None = None
+
+    def to_inference(
+        self, device: str = "auto", precision: str = "auto", field: str = "device"
+    ) -> MultimodalModel:
+        """Encode on `device` (auto: CUDA when torch sees one), under bf16 autocast where
+        `precision` asks for it (auto: on a GPU that supports it); `field` names the setting
+        in errors. Returns the model, moved there and in eval mode."""
+        self.run_device = resolve_device(device, field)
+        self.run_amp = autocast_dtype(precision, self.run_device, field)
+        self.to(self.run_device)
+        self.eval()
+        return self
 
     @property
     def names(self) -> list[str]:
@@ -36,7 +53,15 @@ class MultimodalModel(nn.Module):
 
     def encode(self, modality: str, items: Sequence[Any]) -> torch.Tensor:
         """(B, d) unit embeddings of decoded inputs; the service and the indexer call this."""
-        return self.encoder(modality).encode(list(items))
+        enc = self.encoder(modality)
+        return self._run(enc, enc.collate(list(items)))
+
+    def _run(self, enc: Encoder, batch: Any) -> torch.Tensor:
+        if self.run_device.type == "cpu" and self.run_amp is None:
+            return enc(batch)
+        with torch.autocast(self.run_device.type, self.run_amp, enabled=self.run_amp is not None):
+            out = enc(to_device(batch, self.run_device))
+        return out.float().cpu()
 
     def encode_batch(self, modality: str, batch: torch.Tensor) -> torch.Tensor:
         """(B, d) unit embeddings of a (B, dim) batch of fixed-length inputs (`vector` and
@@ -45,8 +70,8 @@ class MultimodalModel(nn.Module):
         than stack take that path."""
         enc = self.encoder(modality)
         if enc.featurizer is not stack:
-            return enc.encode(list(batch))
-        return enc(batch)
+            return self.encode(modality, list(batch))
+        return self._run(enc, batch)
 
     def forward(self, batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         """Collated inputs per modality -> (B, d) embeddings per modality (training path)."""

@@ -116,6 +116,11 @@ class Settings(BaseSettings):
         "(default: $XDG_CACHE_HOME/hclip/checked or ~/.cache/hclip/checked)",
     )
     media_dir: Path | None = Field(None, description="demo media served under /media")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where queries are encoded: auto (a GPU when torch sees one, under bf16 "
+        "autocast where it supports it), cpu or cuda",
+    )
     milvus_uri: str | None = Field(
         None,
         description="the Milvus that versions on the milvus backend are searched in (default: "

@@ -240,7 +240,7 @@ class VersionManager:
                     f"model at {model_dir} (fingerprint {found}) is not the one that built "
                     f"version {index.version} ({index.fingerprint})"
                 )
-            model = load_model(model_dir)
+            model = load_model(model_dir).to_inference(self.settings.device, field="HCLIP_DEVICE")
         except (OSError, ValueError) as exc:
             raise VersionRejected(f"model of version {index.version}: {exc}") from None
         self._models = {index.fingerprint: model}  # keep only the model in use
@@ -251,10 +251,13 @@ class VersionManager:
         serving = ServingVersion(index, model)
         wait_s = s.batch_wait_ms / 1000.0
         for name, view in index.views.items():
+            # A remote view's search waits on the network: on the search thread, never inline.
+            on_loop = self._search_on_loop and not view.remote
+            alone = (lambda: False) if view.remote else self.load.alone
             serving.searchers[name] = search_batcher(
                 view, model.head, self.pools.search, s.batch_max, wait_s,
                 self.metrics.batch_size.observe, s.max_pending, index.mask_of,
-                self._search_on_loop, self.load.lone_parts, self.load.alone,
+                on_loop, self.load.lone_parts, alone,
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:

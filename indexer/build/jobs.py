@@ -56,6 +56,9 @@ class JobOptions:
     backend: str | None = None  # "faiss" or "milvus"; None: the root's (ROOT/backend.json)
     milvus_uri: str | None = None  # None: the root's
     shards: int = 1  # Milvus shards per collection
+    device: str = (
+        "auto"  # where the local engine encodes: auto (CUDA when torch sees one), cpu, cuda
+    )
 
 
 @dataclass
@@ -250,7 +253,7 @@ def _backend(root: Path, opts: JobOptions, previous: str | None = None) -> Targe
 
 def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> JobResult:
     """A full build: every record of `records_path` (a file, a directory or a glob)."""
-    model = load_model(model_dir)
+    model = load_model(model_dir).to_inference(opts.device, field="--device")
     block = _model_block(model_dir, fingerprint(model_dir))
     files = RecordFiles.resolve(records_path)
     with artifact.root_lock(root):
@@ -364,7 +367,7 @@ def update(
                 f"{old.name} ({manifest['model']['fingerprint']}): embeddings would mix models; "
                 "run a full `hclip index build` instead"
             )
-        model = load_model(model_dir)
+        model = load_model(model_dir).to_inference(opts.device, field="--device")
         if not spec_given:
             opts.spec = _previous_spec(manifest)
         target = _backend(root, opts, (manifest.get("backend") or {}).get("kind"))

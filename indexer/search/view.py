@@ -27,6 +27,7 @@ class Searchable(Protocol):
     dim: int
     vectors: np.ndarray | None
     products_from: int
+    remote: bool  # its searches wait on the network: never on an event loop
 
     @property
     def default_effort(self) -> int | None: ...
@@ -59,6 +60,7 @@ class View:
     exact_vectors: Callable[[np.ndarray], np.ndarray] | None = None
     # flat: the batch size from which exact search runs products (indexer.search.crossover)
     products_from: int = exact.SMALL_BATCH
+    remote: bool = False
 
     @property
     def count(self) -> int:

@@ -378,6 +378,7 @@ class MilvusView:
 
     vectors: np.ndarray | None = None  # nothing is memory-mapped here
     products_from: int = 0
+    remote: bool = True
 
     def __init__(
         self, calls: _Calls, name: str, entry: dict[str, Any], backend: dict[str, Any], memo: _Memo

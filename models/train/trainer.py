@@ -26,6 +26,7 @@ from torch import nn
 
 from models.checkpoint import CheckpointError, build_model
 from models.config import RESUMABLE_CHANGES, ModelConfig, TrainConfig
+from models.device import autocast_dtype, resolve_device, to_device
 from models.model import MultimodalModel
 from models.progress import Progress
 from models.records import RecordError
@@ -40,7 +41,6 @@ from models.train.checkpoints import (
     with_prefix,
 )
 from models.train.data import TupleSource
-from models.train.device import autocast_dtype, resolve_device
 from models.train.loader import BatchReader, EpochBatches, make_loader
 from models.train.losses import LossOutput, build_loss
 from models.train.queue import NegativesQueue
@@ -89,13 +89,6 @@ def _first_difference(saved: Any, now: Any, path: str = "") -> str | None:
     if saved != now:
         return f"{path.rstrip('.')}: the checkpoint's run has {saved!r}, this config {now!r}"
     return None
-
-
-def to_device(x: Any, device: torch.device) -> Any:
-    """A batch of features (a tensor, or a tower's keyword inputs) on the training device."""
-    if isinstance(x, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
-    return x.to(device, non_blocking=True)
 
 
 class Trainer:
