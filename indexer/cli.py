@@ -282,8 +282,11 @@ def _verify(args: argparse.Namespace) -> int:
 def _rollback(args: argparse.Namespace) -> int:
     from indexer.store.verify import verify_files
 
+    from indexer.store import milvus
+
     was, now = artifact.rollback(args.root, args.to, verify_files)
     print(f"published version {now} again (was {was or 'none'})")
+    milvus.point_aliases(artifact.read_manifest(artifact.version_dir(args.root, now)))
     return 0
 
 

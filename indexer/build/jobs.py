@@ -211,7 +211,7 @@ def _finish(
         raise
     timings["publish_s"] = time.perf_counter() - start  # checksums, the check, fsync, rename
     if target is not None:
-        milvus_export.point_aliases(manifest)
+        milvus.point_aliases(manifest)
     log.info("published version %s (%d records, %d views)", stage.name, stored.count, len(views))
     log.info("timings: %s", ", ".join(f"{k} {v:.2f}" for k, v in timings.items()))
     return JobResult(stage.name, path, manifest, list(rejected), timings)

@@ -126,6 +126,12 @@ def tune_version(
         artifact.clean_staging(root)
         old = artifact.current_version_dir(root)
         manifest = artifact.read_manifest(old)
+        if (manifest.get("backend") or {}).get("kind") == "milvus":
+            raise SpecError(
+                f"version {old.name} keeps its views in Milvus: `hclip index tune` measures FAISS "
+                "indexes on this machine; give Milvus an index with `hclip index update --root "
+                f"{root} --spec hnsw|ivf|ivfpq|ivfsq[:...]` (its recall@10 is measured)"
+            )
         known = list(manifest["views"])
         chosen = views or known
         unknown = [v for v in chosen if v not in known]

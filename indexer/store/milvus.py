@@ -575,3 +575,22 @@ def _local_ids(vdir: Path, manifest: dict[str, Any]) -> Any:
 
     store = RecordStore(vdir, manifest["modalities"], None, id_hash_of(manifest))
     return store.id_at
+
+
+def point_aliases(manifest: dict[str, Any], timeout_s: float = 60.0) -> None:
+    """Where the server has aliases: {prefix}_current_v{i} follows the published version's
+    view collections (for other tools that read them). Best effort: CURRENT is the truth."""
+    block = manifest.get("backend") or {}
+    if block.get("kind") != "milvus":
+        return
+    try:
+        client = connect(str(block["uri"]), timeout_s)
+        for i, view in enumerate(manifest["views"]):
+            alias = alias_of(block["prefix"], i)
+            target = block["views"][view]["collection"]
+            try:
+                client.alter_alias(target, alias, timeout=timeout_s)
+            except Exception:
+                client.create_alias(target, alias, timeout=timeout_s)
+    except Exception as exc:
+        log.warning("Milvus aliases not moved (the server may not support them): %s", exc)

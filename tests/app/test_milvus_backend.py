@@ -192,6 +192,17 @@ def test_updates_and_deletes_answer_as_the_faiss_backend(tmp_path, both, milvus)
         assert mv.get(f"/v1/records/{gone}").status_code == 404
         assert mv.get(f"/v1/records/{new[0]['id']}").json()["payload"] == new[0]["payload"]
     assert run_cli("index", "verify", "--root", milvus_root) == 0
+    # The aliases follow CURRENT, through a rollback too.
+    client = pymilvus.MilvusClient(uri=milvus)
+    prefix = json.loads((milvus_root / "backend.json").read_text())["prefix"]
+
+    def aliased() -> str:
+        return str(client.describe_alias(f"{prefix}_current_v0")["collection_name"])
+
+    assert aliased() == manifest["backend"]["views"]["a"]["collection"]
+    assert run_cli("index", "rollback", "--root", milvus_root) == 0
+    old = (milvus_root / "CURRENT").read_text().strip()
+    assert old != manifest["version"] and aliased().endswith(f"{old.replace('-', '_')}_v0")
 
 
 def test_a_replica_serves_from_the_manifest_alone(tmp_path, both) -> None:
@@ -321,3 +332,10 @@ def test_a_killed_build_leaves_current_and_its_collections_are_dropped_next(
     left = {c for c in client.list_collections() if c.startswith(prefix)}
     assert left == published  # ... until the next job under the root lock drops them
     assert run_cli("index", "verify", "--root", root) == 0
+    # gc drops the collections of the versions it removes, and verify sees a missing one.
+    v2 = build_index(root, model, records_v("v2", 50, seed=4), tmp_path)
+    assert run_cli("index", "gc", "--root", root, "--keep", "1") == 0
+    left = {c for c in client.list_collections() if c.startswith(prefix)}
+    assert len(left) == 7 and all(v2.replace("-", "_") in c for c in left), left
+    client.drop_collection(sorted(left)[0])
+    assert run_cli("index", "verify", "--root", root) == 1
