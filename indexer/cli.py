@@ -280,9 +280,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    from indexer.store.verify import verify_files
-
     from indexer.store import milvus
+    from indexer.store.verify import verify_files
 
     was, now = artifact.rollback(args.root, args.to, verify_files)
     print(f"published version {now} again (was {was or 'none'})")
