@@ -56,9 +56,7 @@ class JobOptions:
     backend: str | None = None  # "faiss" or "milvus"; None: the root's (ROOT/backend.json)
     milvus_uri: str | None = None  # None: the root's
     shards: int = 1  # Milvus shards per collection
-    device: str = (
-        "auto"  # where the local engine encodes: auto (CUDA when torch sees one), cpu, cuda
-    )
+    device: str = "auto"  # where the local engine encodes: auto (a GPU if any), cpu, cuda
 
 
 @dataclass
@@ -207,7 +205,10 @@ def _finish(
         path = artifact.publish(root, stage, manifest, check if opts.check else None)
     except BaseException:
         if target is not None:
-            milvus.drop_version(manifest["backend"])
+            try:
+                milvus.drop_version(manifest["backend"])
+            except Exception as exc:  # the next job's clean-up drops them
+                log.warning("collections of the unpublished version not dropped: %s", exc)
         raise
     timings["publish_s"] = time.perf_counter() - start  # checksums, the check, fsync, rename
     if target is not None:
