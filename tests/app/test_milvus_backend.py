@@ -308,7 +308,7 @@ def test_a_killed_build_leaves_current_and_its_collections_are_dropped_next(
     published = {c for c in client.list_collections() if c.startswith(prefix)}
     assert len(published) == 7  # records and six views
     big = tmp_path / "big.jsonl"
-    write_jsonl(big, records_v("v2", 20_000, seed=2))
+    write_jsonl(big, records_v("v2", 3_000, seed=2))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     job = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "index", "build", "--model", str(model), "--records",
