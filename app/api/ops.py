@@ -59,7 +59,7 @@ def _view_info(entry: dict[str, Any]) -> dict[str, Any]:
         out["tuning"] = {
             k: tuning[k] for k in ("picked", "served_batch", "check", "flat", "why") if k in tuning
         }
-    if "milvus" in entry:  # a view held in Milvus (indexer.store.milvus.served_manifest)
+    if "milvus" in entry:  # a view held in Milvus (indexer.store.milvus_served.served_manifest)
         out["milvus"] = entry["milvus"]
     return out
 

@@ -35,7 +35,7 @@ from app.services.threads import WorkerPools, search_thread_setup
 from indexer.search import crossover
 from indexer.store import artifact
 from indexer.store.checked import CheckedVersions, signature
-from indexer.store.milvus import MilvusVersion
+from indexer.store.milvus_served import MilvusVersion
 from indexer.store.verify import verify_contents, verify_files
 from indexer.store.version import LoadedVersion
 from models.checkpoint import fingerprint, load_model

@@ -78,7 +78,7 @@ class _Writer:
         self.target = target
         self.client = milvus.connect(target.uri, target.timeout_s)
         self.created: list[str] = []
-        self.pymilvus = milvus._pymilvus()
+        self.pymilvus = milvus.pymilvus_module()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -87,7 +87,7 @@ class _Writer:
             if not milvus.is_transient(exc):
                 raise
             raise artifact.BackendUnavailable(
-                f"Milvus at {self.target.uri}: {method} failed ({milvus._reason(exc)})"
+                f"Milvus at {self.target.uri}: {method} failed ({milvus.reason(exc)})"
             ) from None
 
     def create(self, name: str, schema: Any, field: str, kind: str, params: dict[str, int]) -> None:

@@ -18,7 +18,7 @@ EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are
 
 class Searchable(Protocol):
     """What the service needs of a view: View here, or a collection in Milvus
-    (indexer.store.milvus.MilvusView), whose filters are expressions instead of masks."""
+    (indexer.store.milvus_served.MilvusView), whose filters are expressions instead of masks."""
 
     name: str
     query: tuple[str, ...]

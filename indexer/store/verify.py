@@ -167,7 +167,7 @@ def verify(vdir: Path) -> list[str]:
         return [f"cannot open: {exc}"]
     manifest = artifact.read_manifest(vdir)
     if not problems and (manifest.get("backend") or {}).get("kind") == "milvus":
-        from indexer.store import milvus  # pymilvus: only for versions that live in Milvus
+        from indexer.store import milvus_served  # pymilvus: only for Milvus versions
 
-        problems = milvus.verify_backend(vdir, manifest)
+        problems = milvus_served.verify_backend(vdir, manifest)
     return problems
