@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 from fastapi import APIRouter
 
 from app.api.auth import ReadKey
@@ -13,10 +17,19 @@ from app.core.errors import NotFound
 from app.services.versions import ServingVersion
 
 router = APIRouter(route_class=ApiRoute, dependencies=[ReadKey])
+T = TypeVar("T")
 
 
-def _row(serving: ServingVersion, record_id: str) -> int:
-    row = serving.index.records.row_of(record_id)
+async def _read(serving: ServingVersion, fn: Callable[..., T], *args: Any) -> T:
+    """A record store read: in place from memory maps, on a thread where it waits on the
+    network (a version whose records live in Milvus), so that the event loop never does."""
+    if serving.index.remote:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+async def _row(serving: ServingVersion, record_id: str) -> int:
+    row = await _read(serving, serving.index.records.row_of, record_id)
     if row is None:
         raise NotFound(f"no record with id {record_id!r} in version {serving.version}")
     return row
@@ -29,7 +42,8 @@ def _row(serving: ServingVersion, record_id: str) -> int:
     summary="A record's payload and modalities",
 )
 async def record(record_id: str, serving: Serving) -> JSONResponse:
-    rec = serving.index.records[_row(serving, record_id)]
+    row = await _row(serving, record_id)
+    rec = await _read(serving, serving.index.records.__getitem__, row)
     return JSONResponse({**rec, "index_version": serving.version})
 
 
@@ -40,12 +54,13 @@ async def record(record_id: str, serving: Serving) -> JSONResponse:
     summary="A record's stored per-modality embeddings (to recompute any score)",
 )
 async def record_embeddings(record_id: str, serving: Serving) -> JSONResponse:
-    row = _row(serving, record_id)
+    row = await _row(serving, record_id)
+    embeddings = await _read(serving, serving.index.embeddings_of, row)
     return JSONResponse(
         {
             "id": record_id,
             "index_version": serving.version,
             "model_fingerprint": serving.fingerprint,
-            "embeddings": serving.index.embeddings_of(row),
+            "embeddings": embeddings,
         }
     )

@@ -240,6 +240,8 @@ class MilvusVersion:
     """A published version on the milvus backend, opened for serving: its collections exist,
     hold the manifest's counts, and are loaded. Nothing but the manifest is read locally."""
 
+    remote = True  # every read waits on the network
+
     def __init__(
         self,
         vdir: Path,

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 class LoadedVersion:
     """One published version, opened read-only for serving."""
 
+    remote = False  # read from memory maps here (indexer.store.milvus_served: over the network)
+
     def __init__(self, vdir: Path, mmap: bool = True):
         self.path = vdir
         self.manifest = artifact.read_manifest(vdir)
