@@ -18,7 +18,6 @@ import logging
 import os
 import platform
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import faiss
@@ -82,14 +81,21 @@ def measure(dim: int) -> tuple[int, dict[int, tuple[float, float]]]:
     return start, rates
 
 
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    fd = os.open(directory / "choice.lock", os.O_RDWR | os.O_CREAT, 0o644)
+def _lock(directory: Path) -> int | None:
+    """An open, exclusively locked file in `directory` (released when closed), or None where
+    the directory cannot hold one."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
+        directory.mkdir(parents=True, exist_ok=True)
+        fd = os.open(directory / "choice.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        log.warning(
+            "cannot keep the kernel choice in %s (%s): measuring it for this process",
+            directory,
+            exc,
+        )
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
 def _read(path: Path) -> int | None:
@@ -109,17 +115,8 @@ def products_from(dim: int, threads: int, directory: Path | None = None) -> int:
     found = _read(path)
     if found is not None:
         return found
+    fd = _lock(directory)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        lock: contextlib.AbstractContextManager[None] = _locked(directory)
-    except OSError as exc:
-        log.warning(
-            "cannot keep the kernel choice in %s (%s): measuring it for this process",
-            directory,
-            exc,
-        )
-        lock = contextlib.nullcontext()
-    with lock:
         found = _read(path)  # another worker may have measured it while this one waited
         if found is not None:
             return found
@@ -144,3 +141,6 @@ def products_from(dim: int, threads: int, directory: Path | None = None) -> int:
             tmp.write_text(json.dumps(record, indent=1) + "\n")
             os.replace(tmp, path)
         return start
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -50,6 +50,15 @@ def test_a_damaged_record_is_measured_again(tmp_path, monkeypatch) -> None:
     assert json.loads(path.read_text())["products_from"] == 16
 
 
+def test_a_directory_that_cannot_hold_the_record_costs_a_measurement_not_a_failure(
+    tmp_path, monkeypatch
+) -> None:
+    monkeypatch.setattr(crossover, "measure", lambda dim: (32, {}))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert crossover.products_from(8, 1, blocked / "kernels") == 32
+
+
 def test_every_crossover_gives_the_same_results() -> None:
     rng = np.random.default_rng(0)
     xb = rng.standard_normal((30_000, 24)).astype(np.float32)
