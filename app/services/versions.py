@@ -59,26 +59,30 @@ def signature_or_none(vdir: Path) -> str | None:
 Served = LoadedVersion | MilvusVersion
 
 
-def open_milvus(vdir: Path, uri: str | None, timeout_s: float) -> MilvusVersion:
-    """A version whose views live in Milvus: only its manifest is read here; its collections
-    must exist, hold the manifest's counts and load (indexer.store.milvus)."""
+def open_milvus(
+    vdir: Path, manifest: dict[str, Any], uri: str | None, timeout_s: float
+) -> MilvusVersion:
+    """A version whose views live in Milvus (`manifest`, read from `vdir`): nothing else is
+    read here; its collections must exist, hold the manifest's counts and load."""
+    if manifest.get("version") != vdir.name:
+        raise FailedChecks(
+            f"version {vdir.name} failed verification: its manifest names version "
+            f"{manifest.get('version')!r}"
+        )
     try:
-        manifest = artifact.read_manifest(vdir)
-        if manifest.get("version") != vdir.name:
-            raise FailedChecks(
-                f"version {vdir.name} failed verification: its manifest names version "
-                f"{manifest.get('version')!r}"
-            )
         return MilvusVersion(vdir, manifest, uri, timeout_s)
     except (artifact.ArtifactError, artifact.BackendUnavailable, KeyError, ValueError) as exc:
         raise VersionRejected(f"version {vdir.name} cannot be opened: {exc}") from None
 
 
-def backend_of(vdir: Path) -> str:
+def milvus_manifest(vdir: Path) -> dict[str, Any] | None:
+    """The manifest of a version on the milvus backend, else None (a FAISS version, or one
+    whose manifest the checks below will name as broken)."""
     try:
-        return str((artifact.read_manifest(vdir).get("backend") or {}).get("kind", "faiss"))
+        manifest = artifact.read_manifest(vdir)
     except artifact.ArtifactError:
-        return "faiss"  # the checks below name what is wrong with it
+        return None
+    return manifest if (manifest.get("backend") or {}).get("kind") == "milvus" else None
 
 
 def open_checked(vdir: Path, level: str, checked: CheckedVersions | None = None) -> LoadedVersion:
@@ -194,8 +198,9 @@ class VersionManager:
         vdir = artifact.version_dir(self.root, version_id)
         s = self.settings
         index: Served
-        if backend_of(vdir) == "milvus":
-            index = open_milvus(vdir, s.milvus_uri, s.milvus_timeout_s)
+        manifest = milvus_manifest(vdir)
+        if manifest is not None:
+            index = open_milvus(vdir, manifest, s.milvus_uri, s.milvus_timeout_s)
         else:
             index = open_checked(vdir, s.verify_on_load, self.checked)
         model = self._model_for(index)

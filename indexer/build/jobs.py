@@ -245,11 +245,10 @@ def _backend(root: Path, opts: JobOptions, previous: str | None = None) -> Targe
                                      "path, or http://host:19530)")  # fmt: skip
     spec = opts.spec
     milvus_export.index_of(spec, 1)  # a spec Milvus cannot build stops here, before encoding
+    milvus.connect(uri).close()  # an unreachable Milvus stops the job before it encodes
     config = milvus.write_root(root, "milvus", uri)
     opts.spec = IndexSpec("flat")
-    target = milvus_export.MilvusTarget(uri, str(config["prefix"]), opts.shards)
-    milvus.connect(uri).close()  # an unreachable Milvus stops the job before it encodes
-    return target, spec
+    return milvus_export.MilvusTarget(uri, str(config["prefix"]), opts.shards), spec
 
 
 def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> JobResult:

@@ -56,21 +56,21 @@ def index_of(spec: IndexSpec, n: int) -> tuple[str, dict[str, int]]:
     return kind, params
 
 
-def _longest(offsets_path: Path) -> int:
-    off = np.load(offsets_path, mmap_mode="r")
-    return int(np.diff(off).max()) if len(off) > 1 else 0
-
-
-def _varchar_length(stage: Path, what: str, offsets: str, store: RecordStore) -> int:
-    longest = _longest(stage / "records" / offsets)
-    if longest > VARCHAR_MAX:
-        off = np.load(stage / "records" / offsets, mmap_mode="r")
-        row = int(np.argmax(np.diff(off)))
-        raise artifact.ArtifactError(
-            f"record {store.id_at(row)!r}: its {what} is {longest} bytes, over the {VARCHAR_MAX} "
-            "Milvus holds in one field; keep large data outside the payload (a URI to it)"
-        )
-    return max(16, longest)
+def varchar_lengths(stage: Path, store: RecordStore) -> dict[str, int]:
+    """The `rid` and `payload` fields' lengths: the version's longest id and payload (bytes,
+    at least 16); one over Milvus's limit stops the job, naming its record."""
+    out = {}
+    for field, what, name in (("rid", "id", "ids"), ("payload", "payload", "payloads")):
+        sizes = np.diff(np.load(stage / "records" / f"{name}.offsets.npy", mmap_mode="r"))
+        longest = int(sizes.max()) if len(sizes) else 0
+        if longest > VARCHAR_MAX:
+            raise artifact.ArtifactError(
+                f"record {store.id_at(int(np.argmax(sizes)))!r}: its {what} is {longest} bytes, "
+                f"over the {VARCHAR_MAX} Milvus holds in one field; keep large data outside the "
+                "payload (a URI to it)"
+            )
+        out[field] = max(16, longest)
+    return out
 
 
 class _Writer:
@@ -81,14 +81,8 @@ class _Writer:
         self.pymilvus = milvus.pymilvus_module()
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return getattr(self.client, method)(*args, timeout=self.target.timeout_s, **kwargs)
-        except Exception as exc:
-            if not milvus.is_transient(exc):
-                raise
-            raise artifact.BackendUnavailable(
-                f"Milvus at {self.target.uri}: {method} failed ({milvus.reason(exc)})"
-            ) from None
+        t = self.target
+        return milvus.call(self.client, t.uri, t.timeout_s, method, *args, **kwargs)
 
     def create(self, name: str, schema: Any, field: str, kind: str, params: dict[str, int]) -> None:
         index = self.client.prepare_index_params()
@@ -127,16 +121,15 @@ class _Writer:
                 log.warning("could not drop Milvus collection %s: %s", name, exc)
 
 
-def _schema(w: _Writer, stage: Path, store: RecordStore, key: str) -> Any:
+def _schema(w: _Writer, lengths: dict[str, int], key: str) -> Any:
     """A collection's schema with its primary key (`row` or `pos`), the record's row, id and
-    payload: each string field as long as the version's longest."""
+    payload (`lengths`: varchar_lengths)."""
     dt = w.pymilvus.DataType
     schema = w.client.create_schema(auto_id=False, enable_dynamic_field=False)
     schema.add_field(key, dt.INT64, is_primary=True)
     if key != "row":
         schema.add_field("row", dt.INT64)
-    for name, what, offsets in (("rid", "id", "ids"), ("payload", "payload", "payloads")):
-        length = _varchar_length(stage, what, f"{offsets}.offsets.npy", store)
+    for name, length in lengths.items():
         schema.add_field(name, dt.VARCHAR, max_length=length)
     return schema
 
@@ -146,11 +139,11 @@ def _chunk_rows(row_bytes: int) -> int:
 
 
 def _records(
-    w: _Writer, stage: Path, name: str, store: RecordStore, stored: StoredRows, d: int
+    w: _Writer, lengths: dict[str, int], name: str, store: RecordStore, stored: StoredRows, d: int
 ) -> None:
     dt = w.pymilvus.DataType
     names = stored.names
-    schema = _schema(w, stage, store, "row")
+    schema = _schema(w, lengths, "row")
     schema.add_field("presence", dt.VARCHAR, max_length=max(1, len(names)))
     schema.add_field("emb", dt.FLOAT_VECTOR, dim=len(names) * d)
     w.create(name, schema, "emb", "FLAT", {})
@@ -178,29 +171,26 @@ def _records(
 
 def _view(
     w: _Writer,
-    stage: Path,
+    lengths: dict[str, int],
     name: str,
-    view: str,
-    entry: dict[str, Any],
+    rows: np.ndarray,
+    vectors: np.ndarray,
     store: RecordStore,
     types: dict[str, str],
     spec: IndexSpec,
 ) -> tuple[str, dict[str, int]]:
     dt = w.pymilvus.DataType
-    base = stage / artifact.VIEWS
-    rows = np.load(base / f"{view}.rows.npy", mmap_mode="r")
-    vectors = np.load(base / f"{view}.npy", mmap_mode="r")
     kind, params = index_of(spec, len(rows))
-    schema = _schema(w, stage, store, "pos")
+    schema = _schema(w, lengths, "pos")
     for field, col in milvus.field_slots(types).items():
         if types[field] == "numeric":
             schema.add_field(col, dt.DOUBLE)
             schema.add_field(f"h{col[1:]}", dt.BOOL)
         else:
             schema.add_field(col, dt.VARCHAR, max_length=VARCHAR_MAX)
-    schema.add_field("vector", dt.FLOAT_VECTOR, dim=int(entry["dim"]))
+    schema.add_field("vector", dt.FLOAT_VECTOR, dim=vectors.shape[1])
     w.create(name, schema, "vector", kind, params)
-    step = _chunk_rows(4 * int(entry["dim"]) + 512)
+    step = _chunk_rows(4 * vectors.shape[1] + 512)
     for start in range(0, len(rows), step):
         part = np.asarray(rows[start : start + step])
         ids = [store.id_at(int(r)) for r in part]
@@ -279,31 +269,27 @@ def export(
         "views": {},
     }
     try:
-        _records(w, stage, names["records"], store, stored, int(manifest["d"]))
+        lengths = varchar_lengths(stage, store)
+        _records(w, lengths, names["records"], store, stored, int(manifest["d"]))
+        base = stage / artifact.VIEWS
         for view in views:
             entry = manifest["views"][view]
             collection = names["views"][view]
-            kind, params = _view(w, stage, collection, view, entry, store, types, spec)
-            own = {
+            rows = np.load(base / f"{view}.rows.npy", mmap_mode="r")
+            # copy-on-write: torch (exact search, for the recall) refuses read-only arrays
+            vectors = np.load(base / f"{view}.npy", mmap_mode="c")
+            kind, params = _view(w, lengths, collection, rows, vectors, store, types, spec)
+            built = IndexSpec(spec.kind, resolved_params(spec, int(entry["count"])))
+            own: dict[str, Any] = {
                 "collection": collection,
                 "index": kind,
                 "params": params,
-                "spec": IndexSpec(spec.kind, resolved_params(spec, int(entry["count"]))).to_dict(),
+                "spec": built.to_dict(),
+                "recall_at_10": 1.0,
             }
-            xq = sample_queries(head, stored, tuple(entry["query"]), RECALL_QUERIES, seed=1)
-            base = stage / artifact.VIEWS
-            own["recall_at_10"] = (
-                1.0
-                if kind == "FLAT"
-                else _recall(
-                    w,
-                    collection,
-                    np.load(base / f"{view}.npy", mmap_mode="c"),
-                    np.load(base / f"{view}.rows.npy", mmap_mode="r"),
-                    xq,
-                    IndexSpec.from_dict(own["spec"]),
-                )
-            )
+            if kind != "FLAT":
+                xq = sample_queries(head, stored, tuple(entry["query"]), RECALL_QUERIES, seed=1)
+                own["recall_at_10"] = _recall(w, collection, vectors, rows, xq, built)
             log.info(
                 "view %s: Milvus %s in %s, recall@10 %s",
                 view,

@@ -119,13 +119,9 @@ def drop_unpublished(root: Path, timeout_s: float = 60.0) -> list[str]:
     config = read_root(root)
     if config is None or not config.get("uri") or not config.get("prefix"):
         return []
-    client = connect(str(config["uri"]), timeout_s)
-    try:
-        names = client.list_collections(timeout=timeout_s)
-    except Exception as exc:
-        if is_transient(exc):
-            raise BackendUnavailable(f"Milvus at {config['uri']}: {reason(exc)}") from None
-        raise
+    uri = str(config["uri"])
+    client = connect(uri, timeout_s)
+    names = call(client, uri, timeout_s, "list_collections")
     prefix = f"{config['prefix']}_"
     vroot = root / artifact.VERSIONS
     kept = {slug(p.name) for p in vroot.iterdir()} if vroot.is_dir() else set()
@@ -136,7 +132,7 @@ def drop_unpublished(root: Path, timeout_s: float = 60.0) -> list[str]:
         found = _VERSION_PART.match(name[len(prefix) :])
         if found is None or found.group("version") in kept:
             continue
-        client.drop_collection(name, timeout=timeout_s)
+        call(client, uri, timeout_s, "drop_collection", name)
         dropped.append(name)
     if dropped:
         log.warning("dropped Milvus collections no published version names: %s", ", ".join(dropped))
@@ -145,11 +141,12 @@ def drop_unpublished(root: Path, timeout_s: float = 60.0) -> list[str]:
 
 def drop_version(block: Mapping[str, Any], timeout_s: float = 60.0) -> None:
     """Drop one version's collections (its manifest's backend block), what is left of them."""
-    client = connect(str(block["uri"]), timeout_s)
+    uri = str(block["uri"])
+    client = connect(uri, timeout_s)
     names = [block["records"], *(v["collection"] for v in block["views"].values())]
     for name in names:
-        if client.has_collection(name, timeout=timeout_s):
-            client.drop_collection(name, timeout=timeout_s)
+        if call(client, uri, timeout_s, "has_collection", name):
+            call(client, uri, timeout_s, "drop_collection", name)
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -183,6 +180,17 @@ def connect(uri: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
         if is_transient(exc):
             raise BackendUnavailable(f"Milvus at {uri}: cannot connect ({reason(exc)})") from None
         raise
+
+
+def call(client: Any, uri: str, timeout_s: float, method: str, *args: Any, **kwargs: Any) -> Any:
+    """`client.method(...)` with a deadline; a connection or server error (not one of the
+    call's arguments) raises BackendUnavailable naming Milvus, the call and why."""
+    try:
+        return getattr(client, method)(*args, timeout=timeout_s, **kwargs)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        raise BackendUnavailable(f"Milvus at {uri}: {method} failed ({reason(exc)})") from None
 
 
 def reason(exc: BaseException) -> str:

@@ -23,13 +23,13 @@ from indexer.store.milvus import (
     DEFAULT_TIMEOUT_S,
     UNAVAILABLE_LOG_S,
     BackendError,
+    call,
     connect,
     filter_expression,
-    is_transient,
     literal,
-    reason,
     search_params,
 )
+from indexer.store.recordstore import RecordStore, id_hash_of
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +45,22 @@ class _Calls:
         self._told = -float("inf")
 
     def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        c, uri, t = self.client, self.uri, self.timeout_s
         try:
             try:
-                return getattr(self.client, method)(*args, timeout=self.timeout_s, **kwargs)
-            except Exception as exc:
+                return call(c, uri, t, method, *args, **kwargs)
+            except BackendUnavailable as exc:
                 # A Milvus that restarted holds the collections but has not loaded them yet.
-                if method not in ("search", "query") or "load" not in reason(exc).lower():
+                if method not in ("search", "query") or "load" not in str(exc).lower():
                     raise
-                self.client.load_collection(args[0], timeout=self.timeout_s)
-                return getattr(self.client, method)(*args, timeout=self.timeout_s, **kwargs)
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            message = f"Milvus at {self.uri}: {method} failed ({reason(exc)})"
+                call(c, uri, t, "load_collection", args[0])
+                return call(c, uri, t, method, *args, **kwargs)
+        except BackendUnavailable as exc:
             now = time.monotonic()
             if now - self._told >= UNAVAILABLE_LOG_S:
                 self._told = now
-                log.error("%s; answering 503 until it is back", message)
-            raise BackendUnavailable(message) from None
+                log.error("%s; answering 503 until it is back", exc)
+            raise
 
 
 class _Memo:
@@ -122,17 +120,19 @@ class MilvusRecords:
     def payload_json(self, row: int) -> bytes:
         return self._cached(row)[1]
 
+    def _present(self, flags: Any) -> list[str]:
+        """The modalities a row's presence string (one 0/1 per modality) marks."""
+        return [n for n, f in zip(self.names, str(flags), strict=True) if f == "1"]
+
     def modalities(self, row: int) -> list[str]:
-        flags = str(self._row(row, ["presence"])["presence"])
-        return [n for n, f in zip(self.names, flags, strict=True) if f == "1"]
+        return self._present(self._row(row, ["presence"])["presence"])
 
     def __getitem__(self, row: int) -> dict[str, Any]:
         got = self._row(row, ["rid", "payload", "presence"])
-        flags = str(got["presence"])
         return {
             "id": str(got["rid"]),
             "payload": orjson.loads(str(got["payload"])),
-            "modalities": [n for n, f in zip(self.names, flags, strict=True) if f == "1"],
+            "modalities": self._present(got["presence"]),
         }
 
     def row_of(self, record_id: str) -> int | None:
@@ -144,12 +144,8 @@ class MilvusRecords:
     def embeddings_of(self, row: int) -> dict[str, list[float]]:
         got = self._row(row, ["emb", "presence"])
         emb = np.asarray(got["emb"], dtype=np.float32).reshape(len(self.names), self.d)
-        flags = str(got["presence"])
-        return {
-            n: emb[j].tolist()
-            for j, (n, f) in enumerate(zip(self.names, flags, strict=True))
-            if f == "1"
-        }
+        present = self._present(got["presence"])
+        return {n: emb[j].tolist() for j, n in enumerate(self.names) if n in present}
 
     def close(self) -> None:
         pass
@@ -298,11 +294,16 @@ def verify_backend(vdir: Path, manifest: dict[str, Any], timeout_s: float = 60.0
     rows and ids of sampled positions (the local files are checked against their checksums
     and recomputed from the stored embeddings by indexer.store.verify)."""
     block = manifest["backend"]
+    uri = str(block["uri"])
+    store = RecordStore(vdir, manifest["modalities"], None, id_hash_of(manifest))
     try:
-        calls = _Calls(str(block["uri"]), timeout_s)
+        client = connect(uri, timeout_s)
+
+        def calls(method: str, *args: Any, **kwargs: Any) -> Any:
+            return call(client, uri, timeout_s, method, *args, **kwargs)
+
         problems: list[str] = []
         rng = np.random.default_rng(0)
-        ids_of = _local_ids(vdir, manifest)
         n = int(manifest["counts"]["records"])
         names = manifest["modalities"]
         checks = [(block["records"], n, "row", None, "emb")]
@@ -346,17 +347,12 @@ def verify_backend(vdir: Path, manifest: dict[str, Any], timeout_s: float = 60.0
                 where = f"Milvus collection {collection}, {key} {p}"
                 if g is None:
                     problems.append(f"{where}: missing")
-                elif int(g["row"]) != int(rows[i]) or g["rid"] != ids_of(int(rows[i])):
+                elif int(g["row"]) != int(rows[i]) or g["rid"] != store.id_at(int(rows[i])):
                     problems.append(f"{where}: row or id differs from the local record store")
                 elif not np.allclose(np.asarray(g[vector], np.float32), want[i], atol=1e-5):
                     problems.append(f"{where}: vector differs from the local files")
         return problems
     except BackendUnavailable as exc:
         return [str(exc)]
-
-
-def _local_ids(vdir: Path, manifest: dict[str, Any]) -> Any:
-    from indexer.store.recordstore import RecordStore, id_hash_of
-
-    store = RecordStore(vdir, manifest["modalities"], None, id_hash_of(manifest))
-    return store.id_at
+    finally:
+        store.close()
