@@ -143,7 +143,9 @@ def raw_figures(root: Path, seconds: float) -> dict[str, Any]:
         for _ in range(5):
             rounds.append(_rate(lambda: exact.scan(queries[next(at) % 256][None], xb, 10), 1.0))
         # the crossover a server with one search thread per worker measures (and keeps)
-        cut = crossover.products_from(xb.shape[1], 1)
+        from app.core.settings import Settings
+
+        cut = crossover.products_from(xb.shape[1], 1, Settings().kernels_dir)
         served = {
             b: b * _rate(lambda b=b: exact.search(queries[:b], xb, 10, products_from=cut), seconds)
             for b in (1, 2, 4, 8, 16, 32, 64)

@@ -34,12 +34,6 @@ ROUND_S = 0.05  # each kernel at each size, after a warm call
 SYNTHETIC_BYTES = 48 << 20  # more than the last-level caches seen: views worth choosing for are
 
 
-def default_directory() -> Path:
-    """$XDG_CACHE_HOME/hclip/kernels, else ~/.cache/hclip/kernels."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "hclip" / "kernels"
-
-
 def _cpu() -> str:
     try:
         info = Path("/proc/cpuinfo").read_text()
@@ -106,11 +100,11 @@ def _read(path: Path) -> int | None:
     return value if isinstance(value, int) and value >= 1 else None
 
 
-def products_from(dim: int, threads: int, directory: Path | None = None) -> int:
+def products_from(dim: int, threads: int, directory: Path) -> int:
     """The batch size from which products win, from the machine's record or measured now
-    (on the calling thread: call it where searches run, with their thread settings). A
-    directory that cannot be written only costs a measurement per call."""
-    directory = directory or default_directory()
+    (on the calling thread: call it where searches run, with their thread settings) and kept
+    in `directory` (HCLIP_KERNELS_DIR). A directory that cannot be written only costs a
+    measurement per call."""
     path = directory / f"exact-{signature(dim, threads)}.json"
     found = _read(path)
     if found is not None:
