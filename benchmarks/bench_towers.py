@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,8 +141,22 @@ def bare(model: Path, records: Path, batch: int, threads: int) -> dict[str, floa
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def subset(records: Path, n: int) -> Path:
+    """The first n records, beside the rest (their media paths stay valid)."""
+    out = records.with_name(f"records-{n}.jsonl")
+    if not out.exists():
+        with open(records) as src, open(out, "w") as dst:
+            dst.writelines(itertools.islice(src, n))
+    return out
+
+
+def lines(path: Path) -> int:
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
 def train_run(work: Path, cfg: dict[str, Any], name: str, cache: str, threads: int) -> float:
-    """Wall seconds of `hclip train` (2 epochs)."""
+    """Wall seconds of `hclip train`."""
     path = work / f"train-{name}.json"
     path.write_text(json.dumps(cfg))
     t0 = time.perf_counter()
@@ -153,61 +169,157 @@ def train_run(work: Path, cfg: dict[str, Any], name: str, cache: str, threads: i
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--records", type=int, default=2000)
-    p.add_argument("--seconds", type=float, default=5.0, help="each clip's length")
-    p.add_argument("--batch-size", type=int, default=32)
-    cores = len(os.sched_getaffinity(0))
-    p.add_argument("--threads", type=int, nargs="+", default=sorted({1, cores}))
-    p.add_argument("--out", type=Path, default=Path("bench-out/towers.json"))
-    args = p.parse_args()
-    figures: dict[str, Any] = {"cpu": bench_server.cpu_model(), "cores": cores,
-                               "records": args.records}  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        towers = make_towers(work)
-        records = write_records(work, args.records, args.seconds)
-        mods = modalities(towers, args.seconds)
+def prepare(work: Path, args: argparse.Namespace, cores: int) -> tuple[Path, Path, dict[str, Any]]:
+    """Towers, records and an untrained model in `work`, made once and kept there (a later run
+    with the same --work reuses them)."""
+    records, model = work / "records.jsonl", work / "model"
+    towers_file = work / "towers.json"
+    if not towers_file.exists():
+        towers_file.write_text(json.dumps(make_towers(work)))
+    mods = modalities(json.loads(towers_file.read_text()), args.seconds)
+    model_cfg = {"modalities": mods, "head": "hclip", "latent_dim": 256}
+    if not records.exists() or lines(records) != args.records:
+        for old in work.glob("records*.jsonl"):
+            old.unlink()
+        if (work / "media").exists():
+            shutil.rmtree(work / "media")
+        write_records(work, args.records, args.seconds)
+    if not model.exists():
         code = (
             "import sys, json, torch; from models.checkpoint import save_model; "
             "from models.config import ModelConfig; from models.model import MultimodalModel; "
             "torch.manual_seed(0); cfg = ModelConfig.from_dict(json.loads(sys.argv[2])); "
             "save_model(MultimodalModel(cfg), sys.argv[1], overwrite=True)"
         )
-        model = work / "model"
-        model_cfg = {"modalities": mods, "head": "hclip", "latent_dim": 256}
         subprocess.run([sys.executable, "-c", code, str(model), json.dumps(model_cfg)],
                        env=env_for(cores), cwd=REPO, check=True)  # fmt: skip
+    return records, model, model_cfg
+
+
+def run_phases(work: Path, args: argparse.Namespace, figures: dict[str, Any], out: Path) -> None:
+    cores = figures["cores"]
+    records, model, model_cfg = prepare(work, args, cores)
+
+    def save() -> None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(figures, indent=2) + "\n")
+
+    if "bare" in args.phases:
+        sample = subset(records, min(args.bare_records, args.records))
         for threads in args.threads:
-            b = bare(model, records, args.batch_size, threads)
-            cmd = bench_indexer.build_cmd(model, records, work / f"root-{threads}",
-                                          args.batch_size, "local")  # fmt: skip
+            b = bare(model, sample, args.batch_size, threads)
+            figures.setdefault("bare", {})[str(threads)] = {**b, "records": lines(sample)}
+            print(f"{threads} thread(s): bare towers {b['records_per_s']:.2f} records/s "
+                  f"(first {lines(sample)} records)", flush=True)  # fmt: skip
+            save()
+    if "build" in args.phases:
+        n = min(args.build_records or args.records, args.records)
+        src = records if n == args.records else subset(records, n)
+        for threads in args.threads:
+            root = work / f"root-{threads}-{n}"
+            shutil.rmtree(root, ignore_errors=True)
+            cmd = bench_indexer.build_cmd(model, src, root, args.batch_size, "local")
             built = bench_indexer.run_build(cmd, env_for(threads))
-            rate = args.records / built["wall_s"]
-            figures[f"threads_{threads}"] = {"bare": b, "build": built, "build_records_per_s":
-                                             rate, "ratio": rate / b["records_per_s"]}  # fmt: skip
-            print(f"{threads} thread(s): bare towers {b['records_per_s']:.1f} records/s; build "
-                  f"{rate:.1f} records/s (ratio {rate / b['records_per_s']:.2f}); peak RSS "
-                  f"{json.dumps(built['peak_rss_mb'])} MB", flush=True)  # fmt: skip
-        if len(args.threads) > 1:
-            lo, hi = (figures[f"threads_{t}"] for t in (args.threads[0], args.threads[-1]))
-            print(f"speed-up {args.threads[0]} -> {args.threads[-1]} threads: build "
-                  f"{hi['build_records_per_s'] / lo['build_records_per_s']:.2f}x, bare towers "
-                  f"{hi['bare']['records_per_s'] / lo['bare']['records_per_s']:.2f}x")  # fmt: skip
-        steps = 2 * -(-args.records // args.batch_size)
-        cfg = {**model_cfg, "train": {"records": str(records), "epochs": 2,
-                                      "batch_size": args.batch_size, "lr": 0.001}}  # fmt: skip
-        cache = str(work / "features")
-        runs = {"cache off": train_run(work, cfg, "off", "off", cores),
-                "cache on, empty": train_run(work, cfg, "cold", cache, cores),
-                "cache on, filled": train_run(work, cfg, "warm", cache, cores)}  # fmt: skip
-        figures["training"] = {k: {"wall_s": v, "steps_per_s": steps / v} for k, v in runs.items()}
-        for k, v in runs.items():
-            print(f"training, {k}: {steps} steps in {v:.1f} s, {steps / v:.2f} steps/s")
+            rate = n / built["wall_s"]
+            figures.setdefault("build", {})[f"{threads}/{n}"] = {
+                **built,
+                "threads": threads,
+                "records": n,
+                "records_per_s": rate,
+            }
+            shutil.rmtree(root, ignore_errors=True)
+            print(f"{threads} thread(s), {n} records: build {rate:.2f} records/s in "
+                  f"{built['wall_s']:.0f} s; peak RSS {json.dumps(built['peak_rss_mb'])} MB",
+                  flush=True)  # fmt: skip
+            save()
+    if "train" in args.phases:
+        bs = args.batch_size
+        cache = work / "features"
+        shutil.rmtree(cache, ignore_errors=True)
+        small = subset(records, min(args.train_off_records, args.records))
+        plans = [  # (name, records, epochs, cache): steps are epochs * (records // batch)
+            ("cache off", small, 1, "off"),
+            ("cache on, empty", records, 1, str(cache)),
+            ("cache on, filled", records, 2, str(cache)),
+        ]
+        for name, recs, epochs, where in plans:
+            steps = epochs * (lines(recs) // bs)
+            cfg = {**model_cfg, "train": {"records": str(recs), "epochs": epochs,
+                                          "batch_size": bs, "lr": 0.001}}  # fmt: skip
+            wall = train_run(work, cfg, name.replace(" ", "").replace(",", "-"), where, cores)
+            figures.setdefault("training", {})[name] = {
+                "wall_s": wall,
+                "steps": steps,
+                "records": lines(recs),
+                "epochs": epochs,
+                "steps_per_s": steps / wall,
+            }
+            print(f"training, {name}: {lines(recs)} records x {epochs} epoch(s) = {steps} steps "
+                  f"in {wall:.1f} s, {steps / wall:.3f} steps/s", flush=True)  # fmt: skip
+            save()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--records", type=int, default=2000)
+    p.add_argument("--seconds", type=float, default=5.0, help="each clip's length")
+    p.add_argument("--batch-size", type=int, default=32)
+    cores = len(os.sched_getaffinity(0))
+    p.add_argument("--threads", type=int, nargs="+", default=sorted({1, cores}),
+                   help="torch thread counts for the bare towers and the builds")  # fmt: skip
+    p.add_argument("--phases", nargs="+", choices=["bare", "build", "train"],
+                   default=["bare", "build", "train"])  # fmt: skip
+    p.add_argument("--bare-records", type=int, default=256,
+                   help="the bare towers' rate is timed on the first N records")  # fmt: skip
+    p.add_argument("--build-records", type=int, default=0,
+                   help="build from the first N records (default: all)")  # fmt: skip
+    p.add_argument(
+        "--train-off-records",
+        type=int,
+        default=320,
+        help="training with the cache off runs one epoch of the first N records",
+    )
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="keep towers, records and model here and reuse them (default: a temp dir)",
+    )
+    p.add_argument("--out", type=Path, default=Path("bench-out/towers.json"))
+    args = p.parse_args()
+    figures: dict[str, Any] = {"cpu": bench_server.cpu_model(), "cores": cores,
+                               "records": args.records}  # fmt: skip
+    if args.out.exists():  # phases run separately add to one record
+        old = json.loads(args.out.read_text())
+        if old.get("records") == args.records and old.get("cpu") == figures["cpu"]:
+            figures = {**old, **figures}
+    if args.work is not None:
+        args.work.mkdir(parents=True, exist_ok=True)
+        run_phases(args.work, args, figures, args.out)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_phases(Path(tmp), args, figures, args.out)
+    bare_rates, builds = figures.get("bare", {}), figures.get("build", {})
+    for b in builds.values():
+        ref = bare_rates.get(str(b["threads"]))
+        if ref:
+            print(f"build at {b['threads']} thread(s), {b['records']} records: ratio to the bare "
+                  f"towers {b['records_per_s'] / ref['records_per_s']:.2f}")  # fmt: skip
+    ts = sorted(int(t) for t in bare_rates)
+    if len(ts) > 1:
+        lo, hi = bare_rates[str(ts[0])], bare_rates[str(ts[-1])]
+        print(
+            f"bare towers {ts[0]} -> {ts[-1]} threads: "
+            f"{hi['records_per_s'] / lo['records_per_s']:.2f}x"
+        )
+    by_n: dict[int, dict[int, float]] = {}
+    for b in builds.values():
+        by_n.setdefault(b["records"], {})[b["threads"]] = b["records_per_s"]
+    for n, rates in sorted(by_n.items()):
+        if len(rates) > 1:
+            lo_t, hi_t = min(rates), max(rates)
+            print(f"build {lo_t} -> {hi_t} threads ({n} records): {rates[hi_t] / rates[lo_t]:.2f}x")
     print(f"CPU: {figures['cpu']}; {cores} cores; {args.records} records")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(figures, indent=2) + "\n")
 
 
 if __name__ == "__main__":
