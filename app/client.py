@@ -99,6 +99,12 @@ class Info:
         return dict(self.raw["model"]["modalities"])
 
     @property
+    def inputs(self) -> dict[str, str]:
+        """modality -> what a query gives it: image, audio, text, vector or embedding (a
+        `transformers` tower's input kind; servers before this field: the encoder kind)"""
+        return dict(self.raw["model"].get("inputs") or self.modalities)
+
+    @property
     def d(self) -> int:
         return int(self.raw["model"]["d"])
 
@@ -307,7 +313,7 @@ class Client(_Settings):
         filter: Mapping[str, Any] | None = None,
         effort: int | None = None,
     ) -> SearchResult:
-        kinds = self.info().modalities if query else {}
+        kinds = self.info().inputs if query else {}
         body = _search_body(query, embeddings, k, filter, effort, kinds)
         return SearchResult.from_json(self._request("POST", "/v1/search", body))
 
@@ -316,7 +322,7 @@ class Client(_Settings):
     ) -> list[SearchResult | HclipError]:
         """Each search is a dict of search()'s keyword arguments; each answer is its result or
         its own error, in order."""
-        kinds = self.info().modalities
+        kinds = self.info().inputs
         queries = [
             _search_body(s.get("query"), s.get("embeddings"), s.get("k"), s.get("filter"),
                          s.get("effort"), kinds)
@@ -327,7 +333,7 @@ class Client(_Settings):
 
     def embed(self, modality: str, inputs: Sequence[Any]) -> np.ndarray:
         """(len(inputs), d) embeddings of raw inputs of one modality."""
-        kind = self.info().modalities.get(modality, "vector")
+        kind = self.info().inputs.get(modality, "vector")
         body = {"modality": modality, "inputs": [to_raw(v, kind) for v in inputs]}
         return np.asarray(self._request("POST", "/v1/embed", body)["embeddings"], np.float32)
 
@@ -408,14 +414,14 @@ class AsyncClient(_Settings):
         filter: Mapping[str, Any] | None = None,
         effort: int | None = None,
     ) -> SearchResult:
-        kinds = (await self.info()).modalities if query else {}
+        kinds = (await self.info()).inputs if query else {}
         body = _search_body(query, embeddings, k, filter, effort, kinds)
         return SearchResult.from_json(await self._request("POST", "/v1/search", body))
 
     async def search_batch(
         self, searches: Sequence[Mapping[str, Any]]
     ) -> list[SearchResult | HclipError]:
-        kinds = (await self.info()).modalities
+        kinds = (await self.info()).inputs
         queries = [
             _search_body(s.get("query"), s.get("embeddings"), s.get("k"), s.get("filter"),
                          s.get("effort"), kinds)
@@ -425,7 +431,7 @@ class AsyncClient(_Settings):
         return [_batch_item(x) for x in out]
 
     async def embed(self, modality: str, inputs: Sequence[Any]) -> np.ndarray:
-        kind = (await self.info()).modalities.get(modality, "vector")
+        kind = (await self.info()).inputs.get(modality, "vector")
         body = {"modality": modality, "inputs": [to_raw(v, kind) for v in inputs]}
         return np.asarray(
             (await self._request("POST", "/v1/embed", body))["embeddings"], np.float32

@@ -107,6 +107,12 @@ class ModalityConfig:
     pooling: str = "auto"  # transformers: models.encoders.pretrained
     train_layers: int = 0  # transformers: blocks fine-tuned from the top; -1 for all of them
 
+    @property
+    def raw_form(self) -> str:
+        """What the API takes for this modality: image, audio, text, vector or embedding (a
+        `transformers` tower takes its `input`; a plugin, what it says it decodes)."""
+        return (self.input or self.kind) if self.kind == "transformers" else self.kind
+
     @staticmethod
     def from_dict(obj: Any, path: str, base_dir: Path | None = None) -> ModalityConfig:
         """`base_dir` resolves a relative plugin `weights` path (the config file's directory,

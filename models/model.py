@@ -37,6 +37,9 @@ class MultimodalModel(nn.Module):
         self.run_device = resolve_device(device, field)
         self.run_amp = autocast_dtype(precision, self.run_device, field)
         self.to(self.run_device)
+        for enc in self.encoders.values():
+            assert isinstance(enc, Encoder)
+            enc.place(self.run_device, self.run_amp)  # frozen towers are not submodules
         self.eval()
         return self
 

@@ -107,7 +107,7 @@ def specialise(doc: dict[str, Any], serving: ServingVersion, settings: Settings)
     model = serving.model
     d = model.cfg.latent_dim
     kinds = {n: model.cfg.modalities[n] for n in model.names}
-    raw = {n: raw_input_schema(c.kind, c.dim, settings) for n, c in kinds.items()}
+    raw = {n: raw_input_schema(c.raw_form, c.dim, settings) for n, c in kinds.items()}
     schemas = doc["components"]["schemas"]
     search = schemas["SearchRequest"]
     props = search["properties"]

@@ -80,6 +80,7 @@ async def info(state: State, serving: Serving) -> JSONResponse:
                 "fingerprint": serving.fingerprint,
                 "head": model.cfg.head,
                 "modalities": {n: model.cfg.modalities[n].kind for n in model.names},
+                "inputs": {n: model.cfg.modalities[n].raw_form for n in model.names},
                 "d": model.cfg.latent_dim,
                 **model.head.public_params(),
             },

@@ -179,10 +179,10 @@ class SearchService:
         runs inline and takes it as it is), any other as it came."""
         cfg = serving.model.cfg.modalities[modality]
         # A client must not make the server read its own files: media come inline only.
-        if cfg.kind in ("image", "audio"):
+        if cfg.raw_form in ("image", "audio"):
             if not (isinstance(value, str) and value.startswith("data:")):
-                raise InvalidInput(f"{field}: {cfg.kind} must be a base64 data: URI")
-        elif cfg.kind in ("text", "vector", "embedding"):
+                raise InvalidInput(f"{field}: {cfg.raw_form} must be a base64 data: URI")
+        elif cfg.raw_form in ("text", "vector", "embedding"):
             try:
                 decoded = decode(value, cfg, base_dir=None, limits=self.limits)
             except InputError as exc:

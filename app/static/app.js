@@ -164,7 +164,8 @@ function textControls(name, kind) {
 
 function buildQueryForm() {
   const holder = $("#modalities");
-  for (const [name, kind] of Object.entries(state.info.model.modalities)) {
+  const inputs = state.info.model.inputs || state.info.model.modalities;
+  for (const [name, kind] of Object.entries(inputs)) {
     const clear = el("button", { type: "button" }, "clear");
     const box = el("div", { class: "modality", id: `mod-${name}` },
       el("h3", {}, el("span", {}, `${name} `, el("small", {}, `(${kind})`)), clear),
@@ -205,7 +206,7 @@ function shown(kind, p) {
 function renderResults(body) {
   const list = $("#results");
   list.replaceChildren();
-  const modalities = state.info.model.modalities;
+  const modalities = state.info.model.inputs || state.info.model.modalities;
   const query = new Set(body.view.split("+"));
   const retrieved = Object.keys(modalities).filter((m) => !query.has(m));
   $("#result-meta").textContent = `view ${body.view}, retrieving ${retrieved.join(" and ")}, ` +

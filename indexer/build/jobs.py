@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 
 from indexer.build import milvus_export
-from indexer.build.local import encode_local
+from indexer.build.local import chunk_rows_for, encode_local
 from indexer.build.views import FlatViewsWriter, build_view
 from indexer.build.writer import RowWriter
 from indexer.ingest.admission import Admission
@@ -95,14 +95,14 @@ def _encode(
     opts: JobOptions,
 ) -> int:
     """Check, encode and write every record of `files` with the chosen engine; rows written."""
+    rows = chunk_rows_for(model, opts.batch_size, opts.chunk_rows)
     if opts.engine == "ray":
         require("ray.data", "ray", "--engine ray")
         from indexer.build.ray_engine import RayJob  # imports ray: only for this engine
 
         job = RayJob(model_dir, opts.ray_address, opts.workers, opts.batch_size, opts.progress)
-        return job.run(model, files, validator, admission, writer, opts.chunk_rows)
+        return job.run(model, files, validator, admission, writer, rows)
     checker = ChunkChecker(validator)
-    rows = max(opts.chunk_rows, opts.batch_size)
     batch = opts.batch_size
     return encode_local(model, files, checker, admission, writer, batch, rows, opts.progress)
 

@@ -21,14 +21,29 @@ from indexer.ingest.admission import Admission
 from indexer.ingest.checks import Checked, ChunkChecker
 from indexer.ingest.sources import CHUNK_ROWS, Chunk, RecordFiles
 from indexer.ingest.validate import Rows
+from models.encoders import decoded_bytes
 from models.model import MultimodalModel
 from models.progress import Progress
 
 AHEAD_PER_READER = 2  # chunks in flight per reader process
+# Decoded inputs per chunk: images and clips of real towers are ~1 MB a record, so a chunk of
+# CHUNK_ROWS of them would be GBs in each reader and again in this process.
+CHUNK_BYTES = 64 * 1024 * 1024
 
 
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def chunk_rows_for(model: MultimodalModel, batch_size: int, chunk_rows: int) -> int:
+    """Records per chunk: `chunk_rows`, or fewer where the decoded inputs would exceed
+    CHUNK_BYTES, in whole batches (a partial batch per chunk would waste encoder calls)."""
+    sizes = [decoded_bytes(model.cfg.modalities[n]) for n in model.names]
+    known = [s for s in sizes if s is not None]
+    if not known:
+        return max(chunk_rows, batch_size)
+    fit = CHUNK_BYTES // max(1, sum(known))
+    return max(batch_size, min(chunk_rows, fit // batch_size * batch_size))
 
 
 def default_readers(n_cores: int) -> int:

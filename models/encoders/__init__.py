@@ -3,6 +3,7 @@ and each decoding its own raw inputs (docs/design.md §3)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,17 @@ ENCODERS: dict[str, type[Encoder]] = {
     "transformers": PretrainedEncoder,
 }
 
-__all__ = ["ENCODERS", "Encoder", "Featurizer", "build_encoder", "decode", "featurizer", "stack"]
+__all__ = [
+    "ENCODERS",
+    "Encoder",
+    "Featurizer",
+    "build_encoder",
+    "decode",
+    "decoded_bytes",
+    "featurizer",
+    "stack",
+]
+TEXT_BYTES = 1024  # a caption or a sentence; the limit (max_text_chars) is far above typical
 
 
 def build_encoder(cfg: ModalityConfig, latent_dim: int) -> Encoder:
@@ -52,3 +63,23 @@ def decode(
     if encoder is None:
         raise InputError(f"unknown encoder kind {cfg.kind!r}")
     return encoder.decode(value, cfg, base_dir, limits)
+
+
+def decoded_bytes(cfg: ModalityConfig) -> int | None:
+    """About how many bytes one decoded input of this modality holds (what a reader process
+    sends the encoder): index builds size their chunks by it, so a chunk of media stays a few
+    tens of MB. None for a plugin, whose inputs are its own."""
+    form = cfg.raw_form
+    if form in ("vector", "embedding"):
+        return 4 * (cfg.dim or 1)
+    if form == "text":
+        return TEXT_BYTES
+    if form == "audio":
+        return 4 * math.ceil(cfg.sample_rate * cfg.max_seconds)
+    if cfg.kind == "image":
+        return 4 * cfg.channels * cfg.image_size**2
+    if cfg.kind == "transformers":
+        from models.encoders.pretrained import pixels_bytes
+
+        return pixels_bytes(cfg)
+    return None

@@ -53,6 +53,10 @@ class Encoder(nn.Module, ABC):
     def collate(self, items: list[Any]) -> torch.Tensor:
         return self.featurizer(list(items))
 
+    def place(self, device: torch.device, amp: torch.dtype | None) -> None:
+        """Run the frozen featurizer on `device` (under autocast to `amp`) where it is heavy
+        enough to need it (a pretrained tower); the trainable part moves with the module."""
+
     @abstractmethod
     def forward(self, batch: Any) -> torch.Tensor:
         """A collated batch -> (B, d) unit vectors."""

@@ -22,6 +22,7 @@ the local Hugging Face cache), run by the model's own processor, pooled, then pr
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -68,8 +70,8 @@ def resolve(name: str) -> Path:
         return Path(snapshot_download(name, local_files_only=True))
     except Exception:  # not in the local cache (or not a valid id): no network here
         raise PretrainedError(
-            f"model {name!r} is neither a directory nor in the local Hugging Face cache; "
-            f"{_hint(name)}"
+            f"model {name!r} is neither a directory (beside the config, or from the working "
+            f"directory) nor in the local Hugging Face cache; {_hint(name)}"
         ) from None
 
 
@@ -80,17 +82,28 @@ def _hint(name: str) -> str:
 def identity(name: str) -> dict[str, Any]:
     """What the model fingerprint covers: the name as configured, the revision the cache or the
     config records, and a hash of every file that defines the tower (weights, config, processor
-    and tokenizer files), so a changed tower is another model."""
+    and tokenizer files), so a changed tower is another model. The hash is read once per
+    process and set of files (a tower's weights are GBs; fingerprints are asked for often)."""
     path = resolve(name)
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
+    stats = tuple((str(f), st.st_size, st.st_mtime_ns, st.st_ino) for f in files
+                  for st in [f.stat()])  # fmt: skip
+    config = json.loads((path / "config.json").read_text())
+    revision = config.get("_commit_hash") or (path.name if path.parent.name == "snapshots" else "")
+    return {"model": name, "revision": revision, "files": _files_hash(str(path), stats)}
+
+
+@functools.lru_cache(maxsize=64)
+def _files_hash(root: str, stats: tuple[tuple[str, int, int, int], ...]) -> str:
+    """sha256 over the files' relative names and bytes; `stats` (path, size, mtime, inode) is
+    the cache key, so a changed file is read again."""
     h = hashlib.sha256()
-    for f in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES):
-        h.update(str(f.relative_to(path)).encode() + b"\0")
+    for f, *_ in stats:
+        h.update(str(Path(f).relative_to(root)).encode() + b"\0")
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
                 h.update(chunk)
-    config = json.loads((path / "config.json").read_text())
-    revision = config.get("_commit_hash") or (path.name if path.parent.name == "snapshots" else "")
-    return {"model": name, "revision": revision, "files": h.hexdigest()[:16]}
+    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -105,16 +118,32 @@ class Tower:
     max_length: int | None = None  # tokens: a sentence-transformers model's max_seq_length
 
     def inputs(self, items: list[Any]) -> dict[str, torch.Tensor]:
-        """Decoded inputs -> the model's keyword arguments (a batch)."""
+        """Decoded inputs -> the model's keyword arguments (a batch). Clips of unequal length
+        are padded (with the attention mask where the processor gives one)."""
         if self.input == "text":
             return dict(self.processor(list(items), padding=True, truncation=True,
                                        max_length=self.max_length,
                                        return_tensors="pt"))  # fmt: skip
         if self.input == "image":
+            if all(isinstance(x, torch.Tensor) for x in items):  # decoded: already processed
+                return {"pixel_values": torch.stack(list(items))}
             return dict(self.processor(images=list(items), return_tensors="pt"))
         return dict(self.processor([x.numpy() for x in items], sampling_rate=self.sampling_rate,
                                    padding=True, return_tensors="pt",
                                    return_attention_mask=True))  # fmt: skip
+
+    def forward(self, model: Any, inputs: dict[str, torch.Tensor]) -> Any:
+        """The model's outputs for one input kind. A two-tower checkpoint (CLIP, SigLIP, CLAP:
+        `get_image_features` and the like) runs only the tower of this input, and its projected
+        output is the `{input}_embeds` that pooling 'auto' takes."""
+        run_one = getattr(model, f"get_{self.input}_features", None)
+        if run_one is None:
+            return model(**inputs)
+        out = run_one(**inputs)
+        if isinstance(out, torch.Tensor):  # transformers before 5: the projection alone
+            return SimpleNamespace(**{f"{self.input}_embeds": out})
+        return SimpleNamespace(**{f"{self.input}_embeds": out.pooler_output,
+                                  "last_hidden_state": out.last_hidden_state})  # fmt: skip
 
     def pooled(self, out: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """(B, H) from the model's outputs, as `pooling` says."""
@@ -123,13 +152,20 @@ class Tower:
                 if getattr(out, key, None) is not None and self.pooling == "auto":
                     return torch.as_tensor(getattr(out, key))
             pooled = getattr(out, "pooler_output", None)
+            if pooled is None and self.pooling == "pooled":  # a two-tower model's projection
+                pooled = getattr(out, f"{self.input}_embeds", None)
             if pooled is not None:
                 return torch.as_tensor(pooled)
             if self.pooling == "pooled":
                 raise PretrainedError(
                     f"{type(self.model).__name__} has no pooled output: use pooling 'mean' or 'cls'"
                 )
-        hidden = out.last_hidden_state  # (B, T, H)
+        hidden = getattr(out, "last_hidden_state", None)  # (B, T, H)
+        if hidden is None:
+            raise PretrainedError(
+                f"{type(self.model).__name__} gives no hidden states for pooling "
+                f"{self.pooling!r}: use pooling 'auto'"
+            )
         if self.pooling == "cls":
             return torch.as_tensor(hidden[:, 0])
         mask = self._mask(inputs, hidden)
@@ -139,17 +175,33 @@ class Tower:
         """(B, T, 1): the positions holding real tokens or frames."""
         mask = inputs.get("attention_mask")
         if mask is None:
-            return torch.ones((*hidden.shape[:2], 1), dtype=hidden.dtype)
+            return hidden.new_ones((*hidden.shape[:2], 1))
         if mask.shape[1] != hidden.shape[1]:  # audio: samples -> frames
             get = getattr(self.model, "_get_feature_vector_attention_mask", None)
             if get is None:
-                return torch.ones((*hidden.shape[:2], 1), dtype=hidden.dtype)
+                return hidden.new_ones((*hidden.shape[:2], 1))
             mask = get(hidden.shape[1], mask)
         return mask[..., None].to(hidden.dtype)
 
     def __call__(self, items: list[Any]) -> torch.Tensor:
-        inputs = self.inputs(items)
-        return self.pooled(self.model(**inputs), inputs)
+        """(B, H) pooled features, on the model's device. Audio runs in groups of clips of
+        one length: a model that normalises over time (wav2vec 2.0 base) would otherwise give
+        a clip features that depend on the longest clip in its batch."""
+        if self.input != "audio" or len({len(x) for x in items}) <= 1:
+            return self._run(items)
+        out: list[torch.Tensor | None] = [None] * len(items)
+        by_length: dict[int, list[int]] = {}
+        for i, x in enumerate(items):
+            by_length.setdefault(len(x), []).append(i)
+        for where in by_length.values():
+            for i, row in zip(where, self._run([items[i] for i in where]), strict=True):
+                out[i] = row
+        return torch.stack([row for row in out if row is not None])
+
+    def _run(self, items: list[Any]) -> torch.Tensor:
+        device = next(self.model.parameters()).device
+        inputs = {k: v.to(device) for k, v in self.inputs(items).items()}
+        return self.pooled(self.forward(self.model, inputs), inputs)
 
 
 _LOADED: dict[tuple[str, str, str], Tower] = {}
@@ -254,7 +306,7 @@ def example_input(cfg: ModalityConfig) -> Any:
     if cfg.input == "image":
         from PIL import Image
 
-        return Image.new("RGB", (32, 32), (127, 127, 127))
+        return preprocess_image(Image.new("RGB", (32, 32), (127, 127, 127)), cfg)
     rate = load_tower(cfg).sampling_rate or 16000
     t = np.arange(rate // 4, dtype=np.float32) / rate
     return torch.from_numpy(0.1 * np.sin(2 * np.pi * 440.0 * t).astype(np.float32))
@@ -263,12 +315,16 @@ def example_input(cfg: ModalityConfig) -> Any:
 def decode_pretrained(
     value: Any, cfg: ModalityConfig, base_dir: Path | None, limits: InputLimits = DEFAULT_LIMITS
 ) -> Any:
-    """A raw input of the modality's input kind -> what its processor takes: a string, an RGB
-    PIL image, or a mono waveform at the processor's rate (cropped to max_seconds)."""
+    """A raw input of the modality's input kind -> what the tower's batch is made of: a string,
+    an image's pixel tensor as its image processor makes it (resized, cropped, normalised: done
+    here, in the reader processes and DataLoader workers, so that a decoded image has the
+    model's input size rather than the photo's), or a mono waveform at the processor's rate
+    (cropped to max_seconds)."""
     if cfg.input == "text":
         return decode_text(value, limits)
     if cfg.input == "image":
-        return decode_image_file(read_bytes(value, base_dir, "image", limits), limits, "RGB")
+        image = decode_image_file(read_bytes(value, base_dir, "image", limits), limits, "RGB")
+        return preprocess_image(image, cfg)
     data = read_bytes(value, base_dir, "audio", limits)
     samples, total, rate = _read_wav(data, cfg, limits)
     if total == 0:
@@ -280,16 +336,40 @@ def decode_pretrained(
     return torch.from_numpy(np.ascontiguousarray(samples[:n], dtype=np.float32))
 
 
+def preprocess_image(image: Any, cfg: ModalityConfig) -> torch.Tensor:
+    """An RGB PIL image -> (C, H, W) float32 pixels, by the tower's own image processor."""
+    pixels = load_tower(cfg).processor(images=[image], return_tensors="pt")["pixel_values"]
+    return torch.as_tensor(pixels[0], dtype=torch.float32).contiguous()
+
+
+def pixels_bytes(cfg: ModalityConfig) -> int:
+    """The size of one preprocessed image (models.encoders.decoded_bytes)."""
+    example = example_input(cfg)
+    return int(example.numel() * example.element_size())
+
+
 class PretrainedFeatures:
-    """The frozen tower as a featurizer: decoded inputs -> (B, H) pooled features, batched
-    (loaded lazily in each process, e.g. each DataLoader worker)."""
+    """The frozen tower as a featurizer: decoded inputs -> (B, H) float32 pooled features on
+    the CPU, batched (loaded lazily in each process, e.g. each DataLoader worker). `place`
+    runs the tower on a device, under autocast when `amp` is a dtype (index builds and the
+    service: MultimodalModel.to_inference)."""
 
     def __init__(self, cfg: ModalityConfig):
         self.cfg = cfg
+        self.device = torch.device("cpu")
+        self.amp: torch.dtype | None = None
+
+    def place(self, device: torch.device, amp: torch.dtype | None) -> None:
+        self.device, self.amp = device, amp
+        load_tower(self.cfg).model.to(device)  # one copy per process, where it runs
 
     @torch.no_grad()  # not inference mode: training takes these features into autograd
     def __call__(self, items: list[Any]) -> torch.Tensor:
-        return load_tower(self.cfg)(list(items)).float()
+        tower = load_tower(self.cfg)
+        if self.device.type == "cpu" and self.amp is None:
+            return tower(list(items)).float()
+        with torch.autocast(self.device.type, self.amp, enabled=self.amp is not None):
+            return tower(list(items)).float().cpu()
 
 
 class PretrainedInputs:
@@ -303,10 +383,35 @@ class PretrainedInputs:
         return load_tower(self.cfg).inputs(list(items))
 
 
+# A two-tower checkpoint's parts for one input: (tower, projection) attribute names.
+TWO_TOWER_PARTS = {
+    "image": ("vision_model", "visual_projection"),
+    "text": ("text_model", "text_projection"),
+    "audio": ("audio_model", "audio_projection"),
+}
+
+
+def trainable_part(model: nn.Module, kind: str, n: int | None) -> None:
+    """Freeze `model`, then unfreeze what fine-tuning trains for input `kind`: in a two-tower
+    checkpoint (CLIP, CLAP, SigLIP) only that input's tower and its projection, else the whole
+    model; within it the last `n` blocks and what follows them (n None: all of it)."""
+    model.requires_grad_(False)
+    tower_name, projection = TWO_TOWER_PARTS[kind]
+    if getattr(model, f"get_{kind}_features", None) is None or not hasattr(model, tower_name):
+        trainable_blocks(model, n)
+        return
+    trainable_blocks(getattr(model, tower_name), n)
+    head = getattr(model, projection, None)
+    if isinstance(head, nn.Module):
+        head.requires_grad_(True)
+
+
 def trainable_blocks(model: nn.Module, n: int | None) -> None:
     """Freeze `model`, then unfreeze its last `n` blocks (the ModuleList holding the most
-    weights: the transformer layers, not a stack of convolutions before them) and every module
-    that comes after them (final norms, poolers, projections); n None: all of it."""
+    weights: the transformer layers, not a stack of convolutions before them), the norms beside
+    them (a final norm may be registered before the blocks it follows: wav2vec 2.0's stable
+    layer-norm variants) and every module that comes after them (final norms, poolers,
+    projections); n None: all of it."""
     if n is None:
         model.requires_grad_(True)
         return
@@ -323,8 +428,11 @@ def trainable_blocks(model: nn.Module, n: int | None) -> None:
         block.requires_grad_(True)
     order = [m_name for m_name, _ in model.named_modules()]
     after = order.index(name) + len(list(layers.named_modules()))
+    parent = name.rpartition(".")[0]
     for m_name, module in model.named_modules():
-        if m_name in order[after:] and not m_name.startswith(name + "."):
+        follows = m_name in order[after:] and not m_name.startswith(name + ".")
+        beside = m_name.rpartition(".")[0] == parent and isinstance(module, nn.LayerNorm)
+        if follows or beside:
             module.requires_grad_(True)
 
 
@@ -343,7 +451,9 @@ class PretrainedEncoder(Encoder):
 
             tower = load_tower(cfg)
             self.tower = copy.deepcopy(tower.model)  # its own, trainable copy: saved with us
-            trainable_blocks(self.tower, None if cfg.train_layers == -1 else cfg.train_layers)
+            n = None if cfg.train_layers == -1 else cfg.train_layers
+            assert cfg.input is not None
+            trainable_part(self.tower, cfg.input, n)
             self.featurizer = PretrainedInputs(cfg)  # type: ignore[assignment]
         if cfg.map == "mlp":
             self.map: nn.Module = nn.Sequential(
@@ -366,6 +476,10 @@ class PretrainedEncoder(Encoder):
             return PretrainedFeatures(cfg)
         return PretrainedInputs(cfg)  # type: ignore[return-value]
 
+    def place(self, device: torch.device, amp: torch.dtype | None) -> None:
+        if isinstance(self.featurizer, PretrainedFeatures):  # a trainable tower moves with us
+            self.featurizer.place(device, amp)
+
     def forward(self, batch: Any) -> torch.Tensor:
         if self.tower is None:
             feats = batch
@@ -373,5 +487,5 @@ class PretrainedEncoder(Encoder):
             tower = load_tower(self.cfg)
             mine = Tower(self.tower, tower.processor, tower.input, tower.pooling,
                          tower.sampling_rate, tower.max_length)  # fmt: skip
-            feats = mine.pooled(self.tower(**batch), batch)
+            feats = mine.pooled(mine.forward(self.tower, batch), batch)
         return nn.functional.normalize(self.map(feats.float()), dim=-1)

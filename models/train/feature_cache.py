@@ -51,6 +51,14 @@ class CachedFeatures:
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_db": None}
 
+    def close(self) -> None:
+        db, self._db = getattr(self, "_db", None), None
+        if db is not None:
+            db.close()
+
+    def __del__(self) -> None:
+        self.close()
+
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -77,7 +85,13 @@ class CachedFeatures:
             fresh = self.featurizer([items[i] for i in missing]).float().numpy()
             self.computed += len(missing)
             rows = [(wanted[i], fresh[j].tobytes()) for j, i in enumerate(missing)]
-            db.executemany("INSERT OR REPLACE INTO f (k, v) VALUES (?, ?)", rows)
+            db.execute("BEGIN IMMEDIATE")  # one commit a batch, not one a row
+            try:
+                db.executemany("INSERT OR REPLACE INTO f (k, v) VALUES (?, ?)", rows)
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
             found.update(rows)
         return torch.from_numpy(
             np.stack([np.frombuffer(found[k], dtype=np.float32) for k in wanted])

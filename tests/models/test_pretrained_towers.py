@@ -63,7 +63,18 @@ def make_towers(d: Path) -> dict[str, Path]:
     tf.Wav2Vec2FeatureExtractor(sampling_rate=16000, return_attention_mask=True).save_pretrained(
         d / "w2v"
     )
-    for name in ("bert", "vit", "clip", "w2v"):
+    # a two-tower checkpoint, as CLIP is published: CLIPModel with its image processor and a
+    # tokenizer (BERT's word pieces stand in for CLIP's BPE; [SEP] ends a sentence)
+    full = tf.CLIPModel(tf.CLIPConfig(
+        text_config={**small, "vocab_size": len(vocab), "max_position_embeddings": 64,
+                     "eos_token_id": vocab.index("[SEP]")},
+        vision_config={**small, "image_size": 32, "patch_size": 8}, projection_dim=16))  # fmt: skip
+    full.save_pretrained(d / "clip-full")
+    tf.CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).save_pretrained(d / "clip-full")
+    tf.BertTokenizer(vocab_file=str(d / "vocab.txt")).save_pretrained(d / "clip-full")
+    for name in ("bert", "vit", "clip", "w2v", "clip-full"):
         out[name] = d / name
     return out
 
@@ -139,19 +150,99 @@ def tower_calls(monkeypatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("name", ["clip", "vit", "w2v", "bert"])
+INPUTS = {
+    "clip": ("image", data_uri("image/png", png(1))),
+    "vit": ("image", data_uri("image/png", png(2))),
+    "w2v": ("audio", data_uri("audio/wav", wav(300))),
+    "bert": ("text", "the number two"),
+    "clip-full/image": ("image", data_uri("image/png", png(3))),
+    "clip-full/text": ("text", "the number four"),
+}
+
+
+@pytest.mark.parametrize("name", list(INPUTS))
 def test_each_tower_loads_by_path_and_encodes_to_unit_vectors(towers, name) -> None:
-    inputs = {"clip": ("image", data_uri("image/png", png(1))),
-              "vit": ("image", data_uri("image/png", png(2))),
-              "w2v": ("audio", data_uri("audio/wav", wav(300))),
-              "bert": ("text", "the number two")}  # fmt: skip
-    kind, raw = inputs[name]
-    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers[name]),
-                                    "input": kind}, "modalities.m")  # fmt: skip
+    kind, raw = INPUTS[name]
+    model = str(towers[name.split("/")[0]])
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": model, "input": kind},
+                                   "modalities.m")  # fmt: skip
     enc = build_encoder(cfg, 8)
     out = enc.encode([decode(raw, cfg), decode(raw, cfg)])
     assert out.shape == (2, 8) and torch.allclose(out.norm(dim=-1), torch.ones(2), atol=1e-5)
     assert torch.allclose(out[0], out[1])
+
+
+@pytest.mark.parametrize("kind", ["image", "text"])
+def test_a_two_tower_checkpoint_runs_the_tower_of_its_input(towers, kind) -> None:
+    """A published CLIP checkpoint (CLIPModel: both towers) as an image or a text modality: its
+    projected embeddings for that input, and fine-tuning touches only that input's tower."""
+    from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
+
+    path = towers["clip-full"]
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(path), "input": kind},
+                                   "m")  # fmt: skip
+    enc = build_encoder(cfg, 8)
+    raw = INPUTS[f"clip-full/{kind}"][1]
+    feats = enc.collate([decode(raw, cfg)])
+    clip = CLIPModel.from_pretrained(path).eval()
+    with torch.no_grad():
+        if kind == "image":
+            from PIL import Image
+
+            image = Image.open(io.BytesIO(png(3))).convert("RGB")
+            pixels = AutoImageProcessor.from_pretrained(path)(images=[image], return_tensors="pt")
+            want = clip.get_image_features(**pixels)
+        else:
+            tokens = AutoTokenizer.from_pretrained(path)([raw], return_tensors="pt")
+            want = clip.get_text_features(**tokens)
+    want = getattr(want, "pooler_output", want)  # transformers >= 5: an output object
+    assert feats.shape == (1, 16)  # projection_dim: the projected output, as pooling auto says
+    assert torch.allclose(feats, want, atol=1e-5)
+
+    tuned = ModalityConfig.from_dict({"kind": "transformers", "model": str(path), "input": kind,
+                                      "train_layers": 1}, "m")  # fmt: skip
+    enc = build_encoder(tuned, 8)
+    trainable = {n for n, p in enc.tower.named_parameters() if p.requires_grad}  # type: ignore[union-attr]
+    mine, other = (("vision_model", "text_model") if kind == "image"
+                   else ("text_model", "vision_model"))  # fmt: skip
+    projection = "visual_projection" if kind == "image" else "text_projection"
+    assert any(n.startswith(f"{mine}.encoder.layers.1.") for n in trainable)
+    assert not any(n.startswith(f"{mine}.encoder.layers.0.") for n in trainable)
+    assert any(n.startswith(projection) for n in trainable)
+    assert not any(n.startswith(other) for n in trainable), sorted(trainable)
+
+
+def test_a_clip_s_features_do_not_depend_on_the_clips_batched_with_it(towers) -> None:
+    """wav2vec 2.0 base normalises over time (group norm): padded beside a longer clip, a clip
+    would get other features. Clips of one length run together, so it does not."""
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["w2v"]),
+                                    "input": "audio", "max_seconds": 1.0}, "m")  # fmt: skip
+    enc = build_encoder(cfg, 8)
+    short = decode(data_uri("audio/wav", wav(300, seconds=0.3)), cfg)
+    long = decode(data_uri("audio/wav", wav(500, seconds=0.8)), cfg)
+    alone = enc.collate([short])
+    batched = enc.collate([long, short, long])
+    assert torch.allclose(batched[1], alone[0], atol=1e-5)
+    assert torch.allclose(batched[0], batched[2], atol=1e-5)
+
+
+def test_bf16_autocast_reaches_a_frozen_tower(towers, tmp_path) -> None:
+    """to_inference puts a frozen tower (not a submodule) where the model runs, under its
+    autocast: here the CPU in bf16, the path a GPU takes in bf16 (features close to fp32's,
+    not equal to them, and float32 on the way out)."""
+    from models.config import ModelConfig
+    from models.model import MultimodalModel
+
+    config = json.loads(write_config(tmp_path, towers).read_text())
+    cfg = ModelConfig.from_dict({k: config[k] for k in ("modalities", "head", "latent_dim")})
+    torch.manual_seed(0)
+    model = MultimodalModel(cfg)
+    image = [decode(data_uri("image/png", png(i)), cfg.modalities["photo"]) for i in range(3)]
+    exact = model.to_inference("cpu", "fp32").encoder("photo").collate(image)
+    half = model.to_inference("cpu", "bf16").encoder("photo").collate(image)
+    assert half.dtype == torch.float32 and not torch.equal(half, exact)
+    assert torch.allclose(half, exact, atol=0.1, rtol=0.05)
+    model.to_inference("cpu", "fp32")  # the tower is shared by the process: leave it as found
 
 
 def test_frozen_towers_train_with_the_feature_cache_then_index_and_serve(
@@ -180,14 +271,31 @@ def test_frozen_towers_train_with_the_feature_cache_then_index_and_serve(
     tower_calls.clear()
     assert run_cli("train", "--config", config, "--out", tmp_path / "third", "--quiet") == 0
     assert sum(tower_calls) == 24, tower_calls  # only the changed tower ran
+    # the fingerprint covers the tower's files: the same tower rewritten is another model
+    from models.checkpoint import fingerprint
+
+    before = fingerprint(tmp_path / "third")
+    with torch.no_grad():
+        model.pooler.dense.weight.add_(1.0)
+    model.save_pretrained(changed)
+    assert fingerprint(tmp_path / "third") != before
 
     root = tmp_path / "root"
     assert index_build(tmp_path / "model", tmp_path / "records.jsonl", root) == 0
     with running(settings_for(root)) as client:
         info = client.get("/v1/info").json()
         omega = np.asarray(info["model"]["omega"])
+        assert info["model"]["inputs"] == {"photo": "image", "sound": "audio", "caption": "text"}
         r = client.post("/v1/search", json={"query": {"caption": "the number three"}, "k": 5})
         assert r.status_code == 200, r.text
+        assert len(r.json()["results"]) == 5
+        # a client must not make the server read its files, whatever the encoder kind
+        for field, path in (("photo", "/etc/hostname"), ("sound", str(tmp_path / "x.wav"))):
+            bad = client.post("/v1/search", json={"query": {field: path}, "k": 5})
+            assert bad.status_code == 422, bad.text
+            assert f"query.{field}: " in bad.text and "must be a base64 data: URI" in bad.text
+        bad = client.post("/v1/embed", json={"modality": "photo", "inputs": ["/etc/hostname"]})
+        assert bad.status_code == 422 and "must be a base64 data: URI" in bad.text, bad.text
         q = client.post("/v1/embed", json={"modality": "caption",
                                            "inputs": ["the number three"]}).json()  # fmt: skip
         qe = np.asarray(q["embeddings"][0])
@@ -237,7 +345,7 @@ def test_clear_errors(towers, tmp_path, capsys) -> None:
         build_encoder(bad, 8)
     text_to_image = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["vit"]),
                                               "input": "text"}, "m")  # fmt: skip
-    with pytest.raises(PretrainedError):
+    with pytest.raises(PretrainedError, match="has no usable text processor or model"):
         build_encoder(text_to_image, 8)
     image = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["vit"]),
                                       "input": "image"}, "m")  # fmt: skip
@@ -257,7 +365,7 @@ def test_the_documented_config_trains_with_stand_ins(towers, tmp_path, monkeypat
     text = (Path(__file__).resolve().parents[2] / "docs" / "models.md").read_text()
     block = text.split("<!-- pretrained-tower config -->")[1].split("```json")[1].split("```")[0]
     cfg = json.loads(block)
-    stand_ins = {"clip": towers["clip"], "wav2vec2": towers["w2v"], "MiniLM": towers["bert"]}
+    stand_ins = {"clip": towers["clip-full"], "wav2vec2": towers["w2v"], "MiniLM": towers["bert"]}
     for m in cfg["modalities"].values():
         target = next(p for key, p in stand_ins.items() if key in m["model"])
         shutil.copytree(target, tmp_path / m["model"])
@@ -295,3 +403,25 @@ def test_a_build_with_torch_threads_and_reader_processes_finishes(towers, tmp_pa
         cwd=repo, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_build_sizes_its_chunks_by_the_decoded_inputs(towers, tmp_path) -> None:
+    """A chunk of decoded images and clips stays within CHUNK_BYTES, in whole batches; vectors
+    keep the full chunk."""
+    from indexer.build.local import CHUNK_BYTES, chunk_rows_for
+    from models.config import ModelConfig
+    from models.encoders import decoded_bytes
+    from models.model import MultimodalModel
+
+    config = json.loads(write_config(tmp_path, towers).read_text())
+    cfg = ModelConfig.from_dict({k: config[k] for k in ("modalities", "head", "latent_dim")})
+    model = MultimodalModel(cfg)
+    image = decode(data_uri("image/png", png(5)), cfg.modalities["photo"])
+    assert decoded_bytes(cfg.modalities["photo"]) == image.numel() * 4  # (3, 32, 32) float32
+    per_record = sum(decoded_bytes(cfg.modalities[n]) or 0 for n in cfg.names)
+    rows = chunk_rows_for(model, 32, 8192)
+    assert rows % 32 == 0 and rows * per_record <= CHUNK_BYTES < (rows + 32) * per_record
+    vectors = ModelConfig.from_dict({"modalities": {"a": {"kind": "vector", "dim": 16},
+                                                    "b": {"kind": "vector", "dim": 16}},
+                                     "head": "hclip", "latent_dim": 8})  # fmt: skip
+    assert chunk_rows_for(MultimodalModel(vectors), 256, 8192) == 8192
