@@ -3,6 +3,7 @@ feature cache. Prints figures; it is not a test (a shared machine is noisy).
 
     python benchmarks/bench_towers.py                # 2,000 records: ViT-B/16, wav2vec 2.0, MiniLM
     python benchmarks/bench_towers.py --records 200  # a quicker look on a small CPU
+    python benchmarks/bench_towers.py --work DIR --phases build --threads 2   # one part at a time
 
 The towers are random-initialised from `transformers`' config classes at their published sizes
 (ViT-B/16 at 224 x 224, wav2vec 2.0 base on 5-s clips at 16 kHz) and the packaged MiniLM
@@ -10,17 +11,19 @@ The towers are random-initialised from `transformers`' config classes at their p
 downloaded. Records are PNG images (256 x 256), WAV clips and sentences, as files beside the
 records; the H-CLIP model over the three frozen towers is untrained (d = 256).
 
-Printed, for each torch thread count asked (default 1 and all cores):
-- bare towers: records/s through the three towers alone, inputs already decoded in memory, in
-  batches of --batch-size (what a build cannot beat);
+Printed, for each torch thread count asked (default 1 and all cores), by phase (`--phases`;
+with `--work` the towers, records and model are made once and every phase adds to --out):
+- bare: records/s through the three towers alone, inputs already decoded in memory, in batches
+  of --batch-size, timed on the first --bare-records (a rate: what a build cannot beat);
 - build: `hclip index build` records/s over the whole process (start-up, reading and decoding
-  in the reader processes, encoding, writing, publishing), its ratio to the bare towers, and
-  the peak RSS of the driver and of the readers;
-- the speed-up of builds and bare towers from 1 thread to all cores;
-- training (`hclip train`, 2 epochs, frozen towers): steps/s with the feature cache off, with
-  it on and empty (the first epoch fills it), and on again (every feature read from it).
-On a machine with a GPU the towers run where `device` puts them for training; builds run on the
-CPU.
+  in the reader processes, encoding, writing, publishing) from all records or the first
+  --build-records, its ratio to the bare towers, the peak RSS of the driver and the readers,
+  and the speed-up from 1 thread to all cores;
+- train (`hclip train`, frozen towers, all cores): steps/s with the feature cache off (one
+  epoch of the first --train-off-records: every step runs the towers), on and empty (one epoch
+  of all records: it fills the cache) and filled (two epochs, every feature read from it).
+On a machine with a GPU, builds and the bare towers run there (`--device auto`); training runs
+frozen towers in its DataLoader workers on the CPU.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ import json, sys, time, torch
 from pathlib import Path
 from models.checkpoint import load_model
 from models.encoders import decode
-model = load_model(Path(sys.argv[1]))
+model = load_model(Path(sys.argv[1])).to_inference("auto")  # where a build runs them
 records = [json.loads(l) for l in open(sys.argv[2])]
 base, batch = Path(sys.argv[2]).parent, int(sys.argv[3])
 took = 0.0
