@@ -110,7 +110,7 @@ class ModalityConfig:
     @property
     def raw_form(self) -> str:
         """What the API takes for this modality: image, audio, text, vector or embedding (a
-        `transformers` tower takes its `input`; a plugin, what it says it decodes)."""
+        `transformers` tower takes its `input`; a plugin gives "plugin": its inputs are its own)."""
         return (self.input or self.kind) if self.kind == "transformers" else self.kind
 
     @staticmethod
