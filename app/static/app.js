@@ -164,8 +164,7 @@ function textControls(name, kind) {
 
 function buildQueryForm() {
   const holder = $("#modalities");
-  const inputs = state.info.model.inputs || state.info.model.modalities;
-  for (const [name, kind] of Object.entries(inputs)) {
+  for (const [name, kind] of Object.entries(state.inputs)) {
     const clear = el("button", { type: "button" }, "clear");
     const box = el("div", { class: "modality", id: `mod-${name}` },
       el("h3", {}, el("span", {}, `${name} `, el("small", {}, `(${kind})`)), clear),
@@ -206,7 +205,7 @@ function shown(kind, p) {
 function renderResults(body) {
   const list = $("#results");
   list.replaceChildren();
-  const modalities = state.info.model.inputs || state.info.model.modalities;
+  const modalities = state.inputs;
   const query = new Set(body.view.split("+"));
   const retrieved = Object.keys(modalities).filter((m) => !query.has(m));
   $("#result-meta").textContent = `view ${body.view}, retrieving ${retrieved.join(" and ")}, ` +
@@ -276,6 +275,8 @@ async function main() {
   if (res.status === 401) { askForKey(sessionStorage.getItem("hclip-key") !== null); return; }
   if (!res.ok) { $("#info").textContent = "no index loaded yet: reload in a moment"; return; }
   state.info = await res.json();
+  // what a query gives each modality (servers before `inputs`: the encoder kind)
+  state.inputs = state.info.model.inputs || state.info.model.modalities;
   const ex = await api("/v1/demo/examples");
   if (ex.ok) state.examples = await ex.json();
   const m = state.info.model;

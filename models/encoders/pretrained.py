@@ -124,10 +124,8 @@ class Tower:
             return dict(self.processor(list(items), padding=True, truncation=True,
                                        max_length=self.max_length,
                                        return_tensors="pt"))  # fmt: skip
-        if self.input == "image":
-            if all(isinstance(x, torch.Tensor) for x in items):  # decoded: already processed
-                return {"pixel_values": torch.stack(list(items))}
-            return dict(self.processor(images=list(items), return_tensors="pt"))
+        if self.input == "image":  # decoded images are the processor's pixels already
+            return {"pixel_values": torch.stack(list(items))}
         return dict(self.processor([x.numpy() for x in items], sampling_rate=self.sampling_rate,
                                    padding=True, return_tensors="pt",
                                    return_attention_mask=True))  # fmt: skip

@@ -24,7 +24,7 @@ def input_key(item: Any) -> int:
         raw = item.encode("utf-8")
     elif isinstance(item, torch.Tensor):
         raw = item.numpy().tobytes()
-    else:  # a PIL image (a pretrained tower's input): its mode, size and pixels
+    else:  # a PIL image (a plugin's decoded input): its mode, size and pixels
         raw = f"{item.mode}:{item.size}".encode() + item.tobytes()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
 
