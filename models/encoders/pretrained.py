@@ -365,7 +365,8 @@ class PretrainedFeatures:
     def __call__(self, items: list[Any]) -> torch.Tensor:
         tower = load_tower(self.cfg)
         if self.device.type == "cpu" and self.amp is None:
-            return tower(list(items)).float()
+            # .cpu(): the process's tower may have been placed elsewhere (training's, on a GPU)
+            return tower(list(items)).float().cpu()
         with torch.autocast(self.device.type, self.amp, enabled=self.amp is not None):
             return tower(list(items)).float().cpu()
 

@@ -7,6 +7,10 @@ input's 63-bit hash (models.train.data.input_key, which training computes anyway
 duplicates). SQLite (standard library) takes readers and writers from several DataLoader
 workers at once; memory stays flat in the number of records.
 
+Where the towers run: on the CPU, in the DataLoader workers (`CachedFeatures`); with an
+accelerator, in the training process on it, the workers reading what the cache holds and
+sending the decoded inputs of the rest (`gather`, then `complete` where the tower is).
+
     $HCLIP_FEATURE_CACHE (default ~/.cache/hclip/features)/<tower>/features.sqlite
     HCLIP_FEATURE_CACHE=off    no cache
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,15 +43,12 @@ def tower_key(identity: dict[str, Any], pooling: str) -> str:
     return hashlib.sha256(repr((sorted(identity.items()), pooling)).encode()).hexdigest()[:20]
 
 
-class CachedFeatures:
-    """A frozen featurizer behind the cache: features of the inputs seen before are read, the
-    others computed in one batch and stored."""
+class FeatureStore:
+    """One tower's features: input key -> float32 bytes, in `directory`/features.sqlite."""
 
-    def __init__(self, featurizer: Featurizer, directory: Path):
-        self.featurizer = featurizer
+    def __init__(self, directory: Path):
         self.directory = directory
         self._db: sqlite3.Connection | None = None  # opened in the process that uses it
-        self.computed = 0  # inputs that went through the tower in this process
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_db": None}
@@ -68,31 +70,80 @@ class CachedFeatures:
             self._db = db
         return self._db
 
-    def __call__(self, items: list[Any], keys: torch.Tensor) -> torch.Tensor:
+    def read(self, wanted: list[int]) -> dict[int, bytes]:
         db = self._conn()
-        wanted = [int(k) for k in keys.tolist()]
         found: dict[int, bytes] = {}
         for start in range(0, len(wanted), 500):  # SQLite's limit on bound variables
             part = wanted[start : start + 500]
             marks = ",".join("?" * len(part))
             found.update(db.execute(f"SELECT k, v FROM f WHERE k IN ({marks})", part).fetchall())
-        first: dict[int, int] = {}  # each missing input once, however often the batch holds it
-        for i, k in enumerate(wanted):
-            if k not in found:
-                first.setdefault(k, i)
-        missing = list(first.values())
-        if missing:
-            fresh = self.featurizer([items[i] for i in missing]).float().numpy()
-            self.computed += len(missing)
-            rows = [(wanted[i], fresh[j].tobytes()) for j, i in enumerate(missing)]
-            db.execute("BEGIN IMMEDIATE")  # one commit a batch, not one a row
-            try:
-                db.executemany("INSERT OR REPLACE INTO f (k, v) VALUES (?, ?)", rows)
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-            found.update(rows)
-        return torch.from_numpy(
-            np.stack([np.frombuffer(found[k], dtype=np.float32) for k in wanted])
-        )
+        return found
+
+    def write(self, rows: list[tuple[int, bytes]]) -> None:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")  # one commit a batch, not one a row
+        try:
+            db.executemany("INSERT OR REPLACE INTO f (k, v) VALUES (?, ?)", rows)
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+
+@dataclass
+class PendingFeatures:
+    """One batch's features of a frozen tower, before the tower ran: those the cache held, and
+    the decoded inputs of the others, each input once however often the batch holds it."""
+
+    keys: list[int]  # the batch's input keys, in order
+    found: dict[int, bytes]
+    missing: list[int]  # keys not found
+    items: list[Any]  # their decoded inputs
+
+    @property
+    def computed(self) -> int:
+        return len(self.missing)
+
+
+def gather(items: list[Any], keys: torch.Tensor, store: FeatureStore | None) -> PendingFeatures:
+    wanted = [int(k) for k in keys.tolist()]
+    found = store.read(wanted) if store is not None else {}
+    first: dict[int, int] = {}
+    for i, k in enumerate(wanted):
+        if k not in found:
+            first.setdefault(k, i)
+    return PendingFeatures(wanted, found, list(first), [items[i] for i in first.values()])
+
+
+def complete(
+    pending: PendingFeatures, featurizer: Featurizer, store: FeatureStore | None
+) -> torch.Tensor:
+    """(B, H) float32 on the CPU: the missing features computed by `featurizer` (and stored)."""
+    found = dict(pending.found)
+    if pending.missing:
+        fresh = featurizer(pending.items).float().cpu().numpy()
+        rows = [(k, fresh[j].tobytes()) for j, k in enumerate(pending.missing)]
+        if store is not None:
+            store.write(rows)
+        found.update(rows)
+    return torch.from_numpy(
+        np.stack([np.frombuffer(found[k], dtype=np.float32) for k in pending.keys])
+    )
+
+
+class CachedFeatures:
+    """A frozen featurizer behind the cache, where both run (a DataLoader worker): features of
+    the inputs seen before are read, the others computed in one batch and stored."""
+
+    def __init__(self, featurizer: Featurizer, directory: Path):
+        self.featurizer = featurizer
+        self.store = FeatureStore(directory)
+        self.computed = 0  # inputs that went through the tower in this process
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __call__(self, items: list[Any], keys: torch.Tensor) -> torch.Tensor:
+        pending = gather(items, keys, self.store)
+        self.computed += pending.computed
+        return complete(pending, self.featurizer, self.store)

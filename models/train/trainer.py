@@ -1,7 +1,8 @@
 """The training loop: seeded, resumable, with a progress bar and an InfoNCE MI readout.
 
 Batches come from a DataLoader (models.train.loader) whose workers read, decode and featurize the
-records; the trainable layers run on `train.device`, the encoders under bf16 autocast where
+records (frozen pretrained towers run here instead, on `train.device`, when it is an
+accelerator); the trainable layers run on `train.device`, the encoders under bf16 autocast where
 `train.precision` allows it, the heads and losses in fp32. The data order depends on the seed
 alone (one permutation per epoch), never on the number of workers. With a negatives queue, an
 EMA copy of the encoders (MoCo's momentum encoder) encodes the candidates' side. A resumed run
@@ -27,6 +28,8 @@ from torch import nn
 from models.checkpoint import CheckpointError, build_model
 from models.config import RESUMABLE_CHANGES, ModelConfig, TrainConfig
 from models.device import autocast_dtype, resolve_device, to_device
+from models.encoders import featurizer
+from models.encoders.pretrained import PretrainedFeatures
 from models.model import MultimodalModel
 from models.progress import Progress
 from models.records import RecordError
@@ -41,7 +44,8 @@ from models.train.checkpoints import (
     with_prefix,
 )
 from models.train.data import TupleSource
-from models.train.loader import BatchReader, EpochBatches, make_loader
+from models.train.feature_cache import FeatureStore, complete
+from models.train.loader import BatchReader, EpochBatches, make_loader, towers_run_in_workers
 from models.train.losses import LossOutput, build_loss
 from models.train.queue import NegativesQueue
 
@@ -130,6 +134,7 @@ class Trainer:
             # Starts equal to the encoders and trails them (models.train.losses says why).
             self.momentum = copy.deepcopy(self.model.encoders).requires_grad_(False)
         self.step = 0
+        self.towers: dict[str, tuple[PretrainedFeatures, FeatureStore | None]] = {}
         self.history: list[dict[str, float]] = []
         self._bar: Progress | None = None
         if checkpoints is not None:
@@ -142,8 +147,17 @@ class Trainer:
 
     def steps(self) -> Generator[int, None, None]:
         batches = EpochBatches()
+        in_workers = towers_run_in_workers(self.device)
+        reader = BatchReader(self.data, self.model_cfg, towers_in_workers=in_workers)
+        # The frozen towers the workers leave to this process: each on the training device.
+        self.towers.clear()
+        for n, store in reader.deferred.items():
+            tower = featurizer(self.model_cfg.modalities[n])
+            assert isinstance(tower, PretrainedFeatures)
+            tower.place(self.device, self.amp)
+            self.towers[n] = (tower, store)
         loader = make_loader(
-            BatchReader(self.data, self.model_cfg),
+            reader,
             batches,
             self.cfg.num_workers,
             pin_memory=self.device.type == "cuda",
@@ -187,7 +201,10 @@ class Trainer:
     def _train_step(self, batch: dict[str, Any], epoch: int) -> None:
         if "error" in batch:
             raise RecordError(batch["error"])
-        features = {n: to_device(x, self.device) for n, x in batch["features"].items()}
+        features = {
+            n: to_device(complete(x, *self.towers[n]) if n in self.towers else x, self.device)
+            for n, x in batch["features"].items()
+        }
         keys = {n: k.to(self.device, non_blocking=True) for n, k in batch["keys"].items()}
         for group in self.opt.param_groups:
             group["lr"] = _lr_at(self.step, self.total, self.cfg.lr)

@@ -306,6 +306,36 @@ def test_frozen_towers_train_with_the_feature_cache_then_index_and_serve(
             assert abs(score - hit["score"]) < 1e-4, (score, hit)
 
 
+def test_with_an_accelerator_frozen_towers_run_in_the_training_process(
+    towers, tmp_path, tower_calls, monkeypatch
+) -> None:
+    """On a GPU the towers run in the trainer on it, the workers reading the cache and sending
+    the inputs it lacks. No GPU here: that path, taken on the CPU, trains the model the
+    workers' path trains, fills the cache in epoch 1 and reads it in epoch 2."""
+    from models.checkpoint import load_model
+    from models.train import trainer as trainer_module
+
+    config = write_config(tmp_path, towers)
+    cfg = json.loads(config.read_text())
+    cfg["train"]["num_workers"] = 2  # towers called in a worker would not count here
+    config.write_text(json.dumps(cfg))
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", "off")
+    assert run_cli("train", "--config", config, "--out", tmp_path / "workers", "--quiet") == 0
+    assert tower_calls == []  # every tower ran in the workers
+
+    monkeypatch.setattr(trainer_module, "towers_run_in_workers", lambda device: False)
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", str(tmp_path / "features"))
+    assert run_cli("train", "--config", config, "--out", tmp_path / "here", "--quiet") == 0
+    assert sum(tower_calls) == 3 * 24, tower_calls  # epoch 1 in this process; epoch 2 cached
+    for a, b in zip(load_model(tmp_path / "workers").state_dict().items(),
+                    load_model(tmp_path / "here").state_dict().items(), strict=True):  # fmt: skip
+        assert a[0] == b[0] and torch.allclose(a[1], b[1], atol=1e-5), a[0]
+    tower_calls.clear()
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", "off")  # no cache: the towers run every step
+    assert run_cli("train", "--config", config, "--out", tmp_path / "nocache", "--quiet") == 0
+    assert sum(tower_calls) == 2 * 3 * 24, tower_calls
+
+
 def test_the_last_block_trains_and_is_saved(towers, tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HCLIP_FEATURE_CACHE", "off")
     config = write_config(tmp_path, towers, image="clip", layers=1)
