@@ -44,7 +44,10 @@ def autocast_dtype(
 
 
 def to_device(x: Any, device: torch.device) -> Any:
-    """A batch of features (a tensor, or a tower's keyword inputs) on `device`."""
+    """A batch of features (a tensor, a tower's keyword inputs, or groups of them: a fine-tuned
+    audio tower's AudioGroups) on `device`."""
     if isinstance(x, dict):
-        return {k: v.to(device, non_blocking=True) for k, v in x.items()}
+        return {k: to_device(v, device) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(to_device(v, device) for v in x)
     return x.to(device, non_blocking=True)

@@ -106,6 +106,18 @@ def _files_hash(root: str, stats: tuple[tuple[str, int, int, int], ...]) -> str:
     return h.hexdigest()[:16]
 
 
+def by_length(items: list[Any]) -> list[list[int]]:
+    """The positions of the clips of each length, lengths in the order first seen."""
+    groups: dict[int, list[int]] = {}
+    for i, x in enumerate(items):
+        groups.setdefault(len(x), []).append(i)
+    return list(groups.values())
+
+
+# A fine-tuned audio tower's batch: per clip length, the clips' positions and their inputs.
+AudioGroups = list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
 @dataclass
 class Tower:
     """A loaded model and its processor, for one input kind."""
@@ -188,10 +200,7 @@ class Tower:
         if self.input != "audio" or len({len(x) for x in items}) <= 1:
             return self._run(items)
         out: list[torch.Tensor | None] = [None] * len(items)
-        by_length: dict[int, list[int]] = {}
-        for i, x in enumerate(items):
-            by_length.setdefault(len(x), []).append(i)
-        for where in by_length.values():
+        for where in by_length(items):
             for i, row in zip(where, self._run([items[i] for i in where]), strict=True):
                 out[i] = row
         return torch.stack([row for row in out if row is not None])
@@ -378,8 +387,13 @@ class PretrainedInputs:
     def __init__(self, cfg: ModalityConfig):
         self.cfg = cfg
 
-    def __call__(self, items: list[Any]) -> dict[str, torch.Tensor]:
-        return load_tower(self.cfg).inputs(list(items))
+    def __call__(self, items: list[Any]) -> dict[str, torch.Tensor] | AudioGroups:
+        tower, items = load_tower(self.cfg), list(items)
+        if tower.input != "audio":
+            return tower.inputs(items)
+        # clips of one length together, unpadded, as a frozen tower runs them (Tower.__call__)
+        return [(torch.tensor(where), tower.inputs([items[i] for i in where]))
+                for where in by_length(items)]  # fmt: skip
 
 
 # A two-tower checkpoint's parts for one input: (tower, projection) attribute names.
@@ -486,5 +500,10 @@ class PretrainedEncoder(Encoder):
             tower = load_tower(self.cfg)
             mine = Tower(self.tower, tower.processor, tower.input, tower.pooling,
                          tower.sampling_rate, tower.max_length)  # fmt: skip
-            feats = mine.pooled(mine.forward(self.tower, batch), batch)
+            if isinstance(batch, list):  # AudioGroups: each length's clips, then back in order
+                where = torch.cat([w for w, _ in batch])
+                parts = torch.cat([mine.pooled(mine.forward(self.tower, x), x) for _, x in batch])
+                feats = parts[torch.argsort(where.to(parts.device))]
+            else:
+                feats = mine.pooled(mine.forward(self.tower, batch), batch)
         return nn.functional.normalize(self.map(feats.float()), dim=-1)

@@ -212,18 +212,28 @@ def test_a_two_tower_checkpoint_runs_the_tower_of_its_input(towers, kind) -> Non
     assert not any(n.startswith(other) for n in trainable), sorted(trainable)
 
 
-def test_a_clip_s_features_do_not_depend_on_the_clips_batched_with_it(towers) -> None:
+@pytest.mark.parametrize("layers", [0, 1])
+def test_a_clip_s_embedding_does_not_depend_on_the_clips_batched_with_it(towers, layers) -> None:
     """wav2vec 2.0 base normalises over time (group norm): padded beside a longer clip, a clip
-    would get other features. Clips of one length run together, so it does not."""
+    would get other features. Clips of one length run together, whether the tower is frozen
+    or fine-tuned (then in the forward pass, gradients reaching its last block)."""
     cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["w2v"]),
-                                    "input": "audio", "max_seconds": 1.0}, "m")  # fmt: skip
+                                    "input": "audio", "max_seconds": 1.0,
+                                    "train_layers": layers}, "m")  # fmt: skip
     enc = build_encoder(cfg, 8)
     short = decode(data_uri("audio/wav", wav(300, seconds=0.3)), cfg)
     long = decode(data_uri("audio/wav", wav(500, seconds=0.8)), cfg)
-    alone = enc.collate([short])
-    batched = enc.collate([long, short, long])
+    alone = enc.encode([short])
+    batched = enc.encode([long, short, long])
     assert torch.allclose(batched[1], alone[0], atol=1e-5)
     assert torch.allclose(batched[0], batched[2], atol=1e-5)
+    if layers:
+        padded = enc(pretrained_module.load_tower(cfg).inputs([long, short, long]))
+        assert not torch.allclose(padded[1], alone[0], atol=1e-3)  # what padding would give
+        batched.sum().backward()
+        assert enc.tower is not None
+        last = [p for n, p in enc.tower.named_parameters() if ".layers.1." in n]
+        assert last and all(p.grad is not None and p.grad.abs().sum() > 0 for p in last)
 
 
 def test_bf16_autocast_reaches_a_frozen_tower(towers, tmp_path) -> None:
@@ -354,6 +364,30 @@ def test_the_last_block_trains_and_is_saved(towers, tmp_path, monkeypatch) -> No
     assert all(torch.equal(mine[n], theirs[n]) for n in first)  # frozen
     root = tmp_path / "root"
     assert index_build(tmp_path / "model", tmp_path / "records.jsonl", root) == 0
+
+
+def test_a_fine_tuned_audio_tower_trains_on_clips_of_several_lengths(
+    towers, tmp_path, monkeypatch
+) -> None:
+    """Its batches (clips grouped by length) cross the DataLoader's worker processes."""
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", "off")
+    config = write_config(tmp_path, towers)
+    cfg = json.loads(config.read_text())
+    cfg["modalities"]["sound"]["train_layers"] = 1
+    cfg["train"]["num_workers"] = 2
+    config.write_text(json.dumps(cfg))
+    recs = records(24)
+    for i, r in enumerate(recs):
+        r["sound"] = data_uri("audio/wav", wav(200 + 25 * i, seconds=0.2 + 0.1 * (i % 3)))
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert run_cli("train", "--config", config, "--out", tmp_path / "model", "--quiet") == 0
+    from models.checkpoint import load_model
+
+    enc = load_model(tmp_path / "model").encoder("sound")
+    tower = pretrained_module.load_tower(enc.cfg).model
+    mine = dict(enc.tower.named_parameters())  # type: ignore[union-attr]
+    theirs = dict(tower.named_parameters())
+    assert any(not torch.equal(mine[n], theirs[n]) for n in mine if ".layers.1." in n)
 
 
 def test_clear_errors(towers, tmp_path, capsys) -> None:
