@@ -136,20 +136,23 @@ def fingerprint(model_dir: str | Path) -> str:
     """A content hash of the config's architecture and the weights: equal iff same model.
 
     For a model with plugin modalities it also covers each plugin's package and version and
-    the content of its weights file (not its path: a moved file is the same model)."""
+    the content of its weights file (not its path: a moved file is the same model), and for
+    one with `transformers` towers each tower's revision and files (not its path either)."""
     model_dir = Path(model_dir)
     cfg, _ = read_config(model_dir)
     arch = cfg.to_dict()
     plugins = _plugin_block(cfg)
     for name in plugins:
         del arch["modalities"][name]["weights"]
+    towers = _pretrained_block(cfg)
+    for name in towers:  # a tower is its files (identity), wherever it lies
+        del arch["modalities"][name]["model"]
     h = hashlib.sha256()
     h.update(json.dumps(arch, sort_keys=True).encode())
     _hash_file(model_dir / WEIGHTS_FILE, h)
     if plugins:  # absent otherwise, so that models without plugins keep their fingerprints
         h.update(json.dumps(plugins, sort_keys=True).encode())
-    towers = _pretrained_block(cfg)
-    if towers:  # likewise: the pretrained towers' names, revisions and files
+    if towers:  # likewise: the pretrained towers' revisions and files
         h.update(json.dumps(towers, sort_keys=True).encode())
     return h.hexdigest()[:16]
 

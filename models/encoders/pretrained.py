@@ -14,8 +14,8 @@ the local Hugging Face cache), run by the model's own processor, pooled, then pr
 - `pooling`: "auto" takes the model's projected output where it has one (CLIP's image/text
   embeddings), else its pooled output, else the mean of the last hidden state over the real
   tokens or frames; "pooled", "mean" and "cls" ask for one of these.
-- `train_layers`: 0 (the default) keeps the tower frozen: it runs where records are decoded
-  (DataLoader workers) and its pooled features can be cached across epochs and runs
+- `train_layers`: 0 (the default) keeps the tower frozen: it runs outside the training step
+  (models.train.loader says where) and its pooled features can be cached across epochs and runs
   (models.train.feature_cache); N fine-tunes the last N blocks (and what follows them), "all"
   the whole tower, which then runs in the trainable forward pass and is saved with the model.
 """
@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,23 +57,53 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
 
 
 def resolve(name: str) -> Path:
-    """The model's directory: `name` itself, or its snapshot in the local Hugging Face cache."""
+    """The model's directory: `name` itself, its snapshot in the local Hugging Face cache, or
+    a directory of its name in $HCLIP_TOWERS_DIR (a model moved to another machine: a saved
+    model names its towers by the paths they had where it was trained)."""
     path = Path(name).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise PretrainedError(f"{path}: no config.json, not a transformers model directory")
-        return path.resolve()
+        return _model_dir(path)
+    moved = _in_towers_dir(path)
     if path.is_absolute() or name.startswith("."):
-        raise PretrainedError(f"model directory {path} does not exist; {_hint(name)}")
+        if moved is not None:
+            return moved
+        raise PretrainedError(f"model directory {path} does not exist{_elsewhere(path)}")
     try:
         from huggingface_hub import snapshot_download
 
         return Path(snapshot_download(name, local_files_only=True))
     except Exception:  # not in the local cache (or not a valid id): no network here
+        if moved is not None:
+            return moved
         raise PretrainedError(
             f"model {name!r} is neither a directory (beside the config, or from the working "
-            f"directory) nor in the local Hugging Face cache; {_hint(name)}"
+            f"directory) nor in the local Hugging Face cache, nor in HCLIP_TOWERS_DIR; "
+            f"{_hint(name)}"
         ) from None
+
+
+def _model_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise PretrainedError(f"{path}: no config.json, not a transformers model directory")
+    return path.resolve()
+
+
+def _in_towers_dir(path: Path) -> Path | None:
+    towers = os.environ.get("HCLIP_TOWERS_DIR")
+    if not towers or not (Path(towers) / path.name).is_dir():
+        return None
+    return _model_dir(Path(towers) / path.name)
+
+
+def _elsewhere(path: Path) -> str:
+    towers = os.environ.get("HCLIP_TOWERS_DIR")
+    if towers:
+        return f", nor does {Path(towers) / path.name} (HCLIP_TOWERS_DIR)"
+    return (
+        f": fetch the tower once on a machine with access (`huggingface-cli download HUB_ID "
+        f"--local-dir {path}`) or copy it there; for a model trained on another machine, set "
+        f"HCLIP_TOWERS_DIR to a directory that holds it as {path.name}/"
+    )
 
 
 def _hint(name: str) -> str:
@@ -80,17 +111,18 @@ def _hint(name: str) -> str:
 
 
 def identity(name: str) -> dict[str, Any]:
-    """What the model fingerprint covers: the name as configured, the revision the cache or the
-    config records, and a hash of every file that defines the tower (weights, config, processor
-    and tokenizer files), so a changed tower is another model. The hash is read once per
-    process and set of files (a tower's weights are GBs; fingerprints are asked for often)."""
+    """What the model fingerprint covers: the revision the cache or the config records and a
+    hash of every file that defines the tower (weights, config, processor and tokenizer files),
+    so a changed tower is another model and a moved or renamed one the same. The hash is read
+    once per process and set of files (a tower's weights are GBs; fingerprints are asked for
+    often)."""
     path = resolve(name)
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES)
     stats = tuple((str(f), st.st_size, st.st_mtime_ns, st.st_ino) for f in files
                   for st in [f.stat()])  # fmt: skip
     config = json.loads((path / "config.json").read_text())
     revision = config.get("_commit_hash") or (path.name if path.parent.name == "snapshots" else "")
-    return {"model": name, "revision": revision, "files": _files_hash(str(path), stats)}
+    return {"revision": revision, "files": _files_hash(str(path), stats)}
 
 
 @functools.lru_cache(maxsize=64)
@@ -248,7 +280,10 @@ def _load(cfg: ModalityConfig) -> Tower:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         processor = loader[cfg.input].from_pretrained(path, local_files_only=True)
-        model = AutoModel.from_pretrained(path, local_files_only=True)
+        # Loading initialises weights before reading them: that must not draw from the RNG
+        # a seeded run builds its maps with (else a model depends on what loaded before it)
+        with torch.random.fork_rng(devices=[]):
+            model = AutoModel.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
         raise PretrainedError(
             f"modality input {cfg.input!r}: {cfg.model} has no usable {cfg.input} processor "

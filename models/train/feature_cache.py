@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sqlite3
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,12 @@ class FeatureStore:
     def __init__(self, directory: Path):
         self.directory = directory
         self._db: sqlite3.Connection | None = None  # opened in the process that uses it
+        # The file is made here, in the process that builds the loader, before its workers
+        # start: processes opening a new file at once race on WAL mode ("database is locked").
+        directory.mkdir(parents=True, exist_ok=True)
+        with closing(self._connect()) as db:
+            db.execute("PRAGMA journal_mode=WAL")  # kept in the file
+            db.execute("CREATE TABLE IF NOT EXISTS f (k INTEGER PRIMARY KEY, v BLOB NOT NULL)")
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_db": None}
@@ -61,13 +68,12 @@ class FeatureStore:
     def __del__(self) -> None:
         self.close()
 
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self.directory / DB, timeout=60, isolation_level=None)
+
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.directory / DB, timeout=60, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("CREATE TABLE IF NOT EXISTS f (k INTEGER PRIMARY KEY, v BLOB NOT NULL)")
-            self._db = db
+            self._db = self._connect()
         return self._db
 
     def read(self, wanted: list[int]) -> dict[int, bytes]:

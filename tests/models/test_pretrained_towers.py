@@ -172,6 +172,19 @@ def test_each_tower_loads_by_path_and_encodes_to_unit_vectors(towers, name) -> N
     assert torch.allclose(out[0], out[1])
 
 
+def test_loading_a_tower_draws_nothing_from_the_seeded_rng(towers) -> None:
+    """A seeded run's maps start the same whether or not the process loaded its towers before
+    (wav2vec 2.0's constructor draws a random vector that loading then overwrites)."""
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["w2v"]),
+                                    "input": "audio"}, "m")  # fmt: skip
+    pretrained_module._LOADED.clear()
+    torch.manual_seed(0)
+    pretrained_module.load_tower(cfg)
+    after_a_load = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(after_a_load, torch.rand(4))
+
+
 @pytest.mark.parametrize("kind", ["image", "text"])
 def test_a_two_tower_checkpoint_runs_the_tower_of_its_input(towers, kind) -> None:
     """A published CLIP checkpoint (CLIPModel: both towers) as an image or a text modality: its
@@ -394,7 +407,11 @@ def test_clear_errors(towers, tmp_path, capsys) -> None:
     missing = tmp_path / "no-such-model"
     cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(missing),
                                     "input": "image"}, "m")  # fmt: skip
-    with pytest.raises(PretrainedError, match=r"does not exist; fetch it once"):
+    with pytest.raises(
+        PretrainedError,
+        match=r"no-such-model does not exist: fetch the tower once on a machine with access .*"
+        r"set HCLIP_TOWERS_DIR to a directory that holds it as no-such-model/",
+    ):
         build_encoder(cfg, 8)
     hub = ModalityConfig.from_dict({"kind": "transformers", "model": "someone/not-here",
                                     "input": "text"}, "m")  # fmt: skip
@@ -420,6 +437,36 @@ def test_clear_errors(towers, tmp_path, capsys) -> None:
     config = write_config(tmp_path, {**towers, "vit": missing})
     assert run_cli("train", "--config", config, "--out", tmp_path / "model", "--quiet") == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_model_moves_to_another_machine_with_its_towers(towers, tmp_path, monkeypatch) -> None:
+    """A saved model names its towers by the paths they had where it was trained; elsewhere
+    they are found by their directory names in HCLIP_TOWERS_DIR, and the model's fingerprint
+    (a tower is its files) and the versions built with it stay valid."""
+    from models.checkpoint import fingerprint
+
+    monkeypatch.setenv("HCLIP_FEATURE_CACHE", "off")
+    here = tmp_path / "trained-here"
+    for name in ("vit", "w2v", "bert"):
+        shutil.copytree(towers[name], here / name)
+    config = write_config(tmp_path, {**towers, **{n: here / n for n in ("vit", "w2v", "bert")}})
+    assert run_cli("train", "--config", config, "--out", tmp_path / "model", "--quiet") == 0
+    root = tmp_path / "root"
+    assert index_build(tmp_path / "model", tmp_path / "records.jsonl", root) == 0
+    before = fingerprint(tmp_path / "model")
+    here.rename(tmp_path / "towers-there")  # another machine keeps them elsewhere
+    with pytest.raises(Exception, match="set HCLIP_TOWERS_DIR to a directory that holds it"):
+        fingerprint(tmp_path / "model")
+    monkeypatch.setenv("HCLIP_TOWERS_DIR", str(tmp_path / "towers-there"))
+    assert fingerprint(tmp_path / "model") == before
+    with running(settings_for(root)) as client:
+        r = client.post("/v1/search", json={"query": {"caption": "the number three"}, "k": 3})
+        assert r.status_code == 200 and len(r.json()["results"]) == 3, r.text
+    monkeypatch.setenv("HCLIP_TOWERS_DIR", str(tmp_path / "empty"))
+    with pytest.raises(
+        Exception, match=r"trained-here/\w+ does not exist, nor does .*/empty/\w+ \(HCLIP"
+    ):
+        fingerprint(tmp_path / "model")
 
 
 def test_the_documented_config_trains_with_stand_ins(towers, tmp_path, monkeypatch) -> None:
