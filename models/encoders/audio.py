@@ -43,9 +43,12 @@ def _pcm_to_float(frames: bytes, width: int, channels: int) -> np.ndarray:
     return x.reshape(-1, channels).mean(axis=1)
 
 
-def _read_wav(data: bytes, cfg: ModalityConfig, limits: InputLimits) -> tuple[np.ndarray, int, int]:
+def _read_wav(
+    data: bytes, cfg: ModalityConfig, limits: InputLimits, margin_s: float = 0.0
+) -> tuple[np.ndarray, int, int]:
     """(mono samples of a prefix, frames in the whole file, rate): only the frames that the
-    encoder's max_seconds needs are read, however long the file says it is."""
+    encoder's max_seconds (and `margin_s` more) needs are read, however long the file says
+    it is."""
     try:
         with wave.open(io.BytesIO(data), "rb") as w:
             rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
@@ -64,7 +67,7 @@ def _read_wav(data: bytes, cfg: ModalityConfig, limits: InputLimits) -> tuple[np
                     f"{limits.max_audio_seconds:g} s (max_audio_seconds)"
                 )
             scale = rate / cfg.sample_rate  # input samples per output sample
-            need = math.ceil((cfg.max_seconds * cfg.sample_rate + 1) * scale) + 2
+            need = math.ceil(((cfg.max_seconds + margin_s) * cfg.sample_rate + 1) * scale) + 2
             frames = w.readframes(min(nframes, need))
     except InputError:
         raise

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from models.config import ModalityConfig
-from models.encoders.audio import _read_wav, _resample_prefix
+from models.encoders.audio import _read_wav
 from models.encoders.base import Encoder, Featurizer
 from models.encoders.image import decode_image_file
 from models.encoders.media import read_bytes
@@ -368,14 +368,25 @@ def decode_pretrained(
         image = decode_image_file(read_bytes(value, base_dir, "image", limits), limits, "RGB")
         return preprocess_image(image, cfg)
     data = read_bytes(value, base_dir, "audio", limits)
-    samples, total, rate = _read_wav(data, cfg, limits)
+    # 10 ms past max_seconds: the resampling filter's reach, so the crop has no edge effect
+    samples, total, rate = _read_wav(data, cfg, limits, margin_s=0.01)
     if total == 0:
         raise InputError("audio holds no samples")
     target = cfg.sample_rate
     n = min(math.ceil(cfg.max_seconds * target), max(1, round(total * target / rate)))
     if rate != target:
-        samples = _resample_prefix(samples, total, rate, target, n)
+        samples = resample(samples, rate, target)
     return torch.from_numpy(np.ascontiguousarray(samples[:n], dtype=np.float32))
+
+
+def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """`x` at `target` Hz, low-pass filtered first (scipy's polyphase resampler): a pretrained
+    speech or sound model heard its training audio resampled so, and a plain interpolation
+    would fold what lies above target/2 (a 44.1 kHz recording's upper half) into its band."""
+    from scipy.signal import resample_poly
+
+    g = math.gcd(rate, target)
+    return np.asarray(resample_poly(x, target // g, rate // g), dtype=np.float32)
 
 
 def preprocess_image(image: Any, cfg: ModalityConfig) -> torch.Tensor:

@@ -249,6 +249,27 @@ def test_a_clip_s_embedding_does_not_depend_on_the_clips_batched_with_it(towers,
         assert last and all(p.grad is not None and p.grad.abs().sum() > 0 for p in last)
 
 
+def test_audio_is_resampled_without_folding_what_the_target_rate_cannot_hold(towers) -> None:
+    """48 kHz to the processor's 16 kHz: a 1 kHz tone passes, a 12 kHz one (above 8 kHz) is
+    filtered out rather than folded to 4 kHz, and a clip cropped to max_seconds is the start
+    of the whole file's resampling (the prefix read has the filter's reach)."""
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["w2v"]),
+                                    "input": "audio", "max_seconds": 1.0}, "m")  # fmt: skip
+
+    def rms(x: torch.Tensor) -> float:
+        return float(x[800:-800].pow(2).mean().sqrt())  # away from the ends
+
+    kept = decode(data_uri("audio/wav", wav(1000, rate=48000, seconds=0.5)), cfg)
+    folded = decode(data_uri("audio/wav", wav(12000, rate=48000, seconds=0.5)), cfg)
+    assert len(kept) == 8000 and abs(rms(kept) - 0.3 / np.sqrt(2)) < 0.01
+    assert rms(folded) < 0.01 * rms(kept)
+    long = wav(440, rate=44100, seconds=3.0)
+    clip = decode(data_uri("audio/wav", long), cfg)
+    full = np.frombuffer(long[44:], dtype="<i2").astype(np.float32) / 32768
+    whole = pretrained_module.resample(full, 44100, 16000)
+    assert len(clip) == 16000 and np.allclose(clip.numpy(), whole[:16000], atol=1e-5)
+
+
 def test_bf16_autocast_reaches_a_frozen_tower(towers, tmp_path) -> None:
     """to_inference puts a frozen tower (not a submodule) where the model runs, under its
     autocast: here the CPU in bf16, the path a GPU takes in bf16 (features close to fp32's,
