@@ -22,8 +22,8 @@ with `--work` the towers, records and model are made once and every phase adds t
 - train (`hclip train`, frozen towers, all cores): steps/s with the feature cache off (one
   epoch of the first --train-off-records: every step runs the towers), on and empty (one epoch
   of all records: it fills the cache) and filled (two epochs, every feature read from it).
-On a machine with a GPU, builds and the bare towers run there (`--device auto`); training runs
-frozen towers in its DataLoader workers on the CPU.
+On a machine with a GPU, builds, the bare towers and training's frozen towers run there
+(`--device auto`, `train.device` auto).
 """
 
 from __future__ import annotations

@@ -151,17 +151,16 @@ AudioGroups = list[tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 @dataclass
-class Tower:
-    """A loaded model and its processor, for one input kind."""
+class Processor:
+    """A tower's processor for one input kind, loaded without the model: the reader processes
+    and DataLoader workers that only prepare inputs hold no copy of its weights."""
 
-    model: Any
     processor: Any
     input: str
-    pooling: str
     sampling_rate: int | None
     max_length: int | None = None  # tokens: a sentence-transformers model's max_seq_length
 
-    def inputs(self, items: list[Any]) -> dict[str, torch.Tensor]:
+    def __call__(self, items: list[Any]) -> dict[str, torch.Tensor]:
         """Decoded inputs -> the model's keyword arguments (a batch). Clips of unequal length
         are padded (with the attention mask where the processor gives one)."""
         if self.input == "text":
@@ -173,6 +172,26 @@ class Tower:
         return dict(self.processor([x.numpy() for x in items], sampling_rate=self.sampling_rate,
                                    padding=True, return_tensors="pt",
                                    return_attention_mask=True))  # fmt: skip
+
+
+@dataclass
+class Tower:
+    """A loaded model and its processor, for one input kind."""
+
+    model: Any
+    prep: Processor
+    pooling: str
+
+    @property
+    def input(self) -> str:
+        return self.prep.input
+
+    @property
+    def processor(self) -> Any:
+        return self.prep.processor
+
+    def inputs(self, items: list[Any]) -> dict[str, torch.Tensor]:
+        return self.prep(items)
 
     def forward(self, model: Any, inputs: dict[str, torch.Tensor]) -> Any:
         """The model's outputs for one input kind. A two-tower checkpoint (CLIP, SigLIP, CLAP:
@@ -244,6 +263,7 @@ class Tower:
 
 
 _LOADED: dict[tuple[str, str, str], Tower] = {}
+_PROCESSORS: dict[tuple[str, str], Processor] = {}
 _LOCK = threading.Lock()
 
 
@@ -252,21 +272,40 @@ def load_tower(cfg: ModalityConfig) -> Tower:
     a processor that does not fit the model or the input kind is a PretrainedError."""
     assert cfg.model is not None and cfg.input is not None
     key = (cfg.model, cfg.input, cfg.pooling)
+    prep = load_processor(cfg)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = _load(cfg)
+            _LOADED[key] = Tower(load_weights(cfg), prep, cfg.pooling)
         return _LOADED[key]
 
 
-def _load(cfg: ModalityConfig) -> Tower:
-    from transformers import (
-        AutoConfig,
-        AutoFeatureExtractor,
-        AutoImageProcessor,
-        AutoModel,
-        AutoTokenizer,
-    )
+def load_processor(cfg: ModalityConfig) -> Processor:
+    """The processor of a `transformers` modality, loaded once per process and checked against
+    the model's config and the modality's input kind and sampling rate."""
+    assert cfg.model is not None and cfg.input is not None
+    key = (cfg.model, cfg.input)
+    with _LOCK:
+        if key not in _PROCESSORS:
+            _PROCESSORS[key] = _load_processor(cfg)
+        return _PROCESSORS[key]
+
+
+def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # one log line a load: ours
+    hf_logging.disable_progress_bar()
+
+
+def _unusable(cfg: ModalityConfig, exc: Exception) -> PretrainedError:
+    return PretrainedError(
+        f"modality input {cfg.input!r}: {cfg.model} has no usable {cfg.input} processor "
+        f"or model ({_first_sentence(exc)})"
+    )
+
+
+def _load_processor(cfg: ModalityConfig) -> Processor:
+    from transformers import AutoConfig, AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer
 
     assert cfg.model is not None and cfg.input is not None
     path = resolve(cfg.model)
@@ -275,30 +314,40 @@ def _load(cfg: ModalityConfig) -> Tower:
         "audio": AutoFeatureExtractor,
         "text": AutoTokenizer,
     }
-    hf_logging.set_verbosity_error()  # one log line a load: ours
-    hf_logging.disable_progress_bar()
+    _quiet_transformers()
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         processor = loader[cfg.input].from_pretrained(path, local_files_only=True)
-        # Loading initialises weights before reading them: that must not draw from the RNG
-        # a seeded run builds its maps with (else a model depends on what loaded before it)
-        with torch.random.fork_rng(devices=[]):
-            model = AutoModel.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, KeyError) as exc:
-        raise PretrainedError(
-            f"modality input {cfg.input!r}: {cfg.model} has no usable {cfg.input} processor "
-            f"or model ({_first_sentence(exc)})"
-        ) from None
+        raise _unusable(cfg, exc) from None
     _check_fits(cfg, config, processor)
-    model.eval().requires_grad_(False)
     rate = getattr(processor, "sampling_rate", None)
     if cfg.input == "audio" and rate is not None and rate != cfg.sample_rate:
         raise PretrainedError(
             f"{cfg.model} takes audio at {rate} Hz: set the modality's sample_rate to {rate} "
             f"(it is {cfg.sample_rate}), so that clips are resampled to it as they are decoded"
         )
+    return Processor(processor, cfg.input, rate, _max_seq_length(path))
+
+
+def load_weights(cfg: ModalityConfig) -> Any:
+    """A new copy of the modality's model, frozen and in eval mode (not kept: load_tower keeps
+    the process's shared frozen one; a fine-tuned tower is its own)."""
+    from transformers import AutoModel
+
+    assert cfg.model is not None
+    path = resolve(cfg.model)
+    _quiet_transformers()
+    try:
+        # Loading initialises weights before reading them: that must not draw from the RNG
+        # a seeded run builds its maps with (else a model depends on what loaded before it)
+        with torch.random.fork_rng(devices=[]):
+            model = AutoModel.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise _unusable(cfg, exc) from None
+    model.eval().requires_grad_(False)
     log.info("loaded %s (%s, %s input) from %s", cfg.model, type(model).__name__, cfg.input, path)
-    return Tower(model, processor, cfg.input, cfg.pooling, rate, _max_seq_length(path))
+    return model
 
 
 def _max_seq_length(path: Path) -> int | None:
@@ -335,9 +384,8 @@ def _check_fits(cfg: ModalityConfig, config: Any, processor: Any) -> None:
         )
 
 
-def features_dim(cfg: ModalityConfig) -> int:
-    """The width of the pooled output, from one example input."""
-    tower = load_tower(cfg)
+def features_dim(cfg: ModalityConfig, tower: Tower) -> int:
+    """The width of the tower's pooled output, from one example input."""
     with torch.no_grad():
         return int(tower([example_input(cfg)]).shape[-1])
 
@@ -349,7 +397,7 @@ def example_input(cfg: ModalityConfig) -> Any:
         from PIL import Image
 
         return preprocess_image(Image.new("RGB", (32, 32), (127, 127, 127)), cfg)
-    rate = load_tower(cfg).sampling_rate or 16000
+    rate = load_processor(cfg).sampling_rate or 16000
     t = np.arange(rate // 4, dtype=np.float32) / rate
     return torch.from_numpy(0.1 * np.sin(2 * np.pi * 440.0 * t).astype(np.float32))
 
@@ -391,7 +439,7 @@ def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 def preprocess_image(image: Any, cfg: ModalityConfig) -> torch.Tensor:
     """An RGB PIL image -> (C, H, W) float32 pixels, by the tower's own image processor."""
-    pixels = load_tower(cfg).processor(images=[image], return_tensors="pt")["pixel_values"]
+    pixels = load_processor(cfg).processor(images=[image], return_tensors="pt")["pixel_values"]
     return torch.as_tensor(pixels[0], dtype=torch.float32).contiguous()
 
 
@@ -434,11 +482,11 @@ class PretrainedInputs:
         self.cfg = cfg
 
     def __call__(self, items: list[Any]) -> dict[str, torch.Tensor] | AudioGroups:
-        tower, items = load_tower(self.cfg), list(items)
-        if tower.input != "audio":
-            return tower.inputs(items)
+        prep, items = load_processor(self.cfg), list(items)
+        if prep.input != "audio":
+            return prep(items)
         # clips of one length together, unpadded, as a frozen tower runs them (Tower.__call__)
-        return [(torch.tensor(where), tower.inputs([items[i] for i in where]))
+        return [(torch.tensor(where), prep([items[i] for i in where]))
                 for where in by_length(items)]  # fmt: skip
 
 
@@ -501,18 +549,18 @@ class PretrainedEncoder(Encoder):
 
     def __init__(self, cfg: ModalityConfig, latent_dim: int):
         super().__init__(cfg)
-        width = features_dim(cfg)
         self.tower: nn.Module | None = None
         if cfg.train_layers == 0:
             self.featurizer = PretrainedFeatures(cfg)
+            width = features_dim(cfg, load_tower(cfg))
         else:
-            import copy
-
-            tower = load_tower(cfg)
-            self.tower = copy.deepcopy(tower.model)  # its own, trainable copy: saved with us
+            # Its own, trainable copy, saved with us: the process loads no frozen one beside it.
+            model = load_weights(cfg)
+            width = features_dim(cfg, Tower(model, load_processor(cfg), cfg.pooling))
             n = None if cfg.train_layers == -1 else cfg.train_layers
             assert cfg.input is not None
-            trainable_part(self.tower, cfg.input, n)
+            trainable_part(model, cfg.input, n)
+            self.tower = model
             self.featurizer = PretrainedInputs(cfg)  # type: ignore[assignment]
         if cfg.map == "mlp":
             self.map: nn.Module = nn.Sequential(
@@ -543,9 +591,7 @@ class PretrainedEncoder(Encoder):
         if self.tower is None:
             feats = batch
         else:
-            tower = load_tower(self.cfg)
-            mine = Tower(self.tower, tower.processor, tower.input, tower.pooling,
-                         tower.sampling_rate, tower.max_length)  # fmt: skip
+            mine = Tower(self.tower, load_processor(self.cfg), self.cfg.pooling)
             if isinstance(batch, list):  # AudioGroups: each length's clips, then back in order
                 where = torch.cat([w for w, _ in batch])
                 parts = torch.cat([mine.pooled(mine.forward(self.tower, x), x) for _, x in batch])

@@ -424,6 +424,18 @@ def test_a_fine_tuned_audio_tower_trains_on_clips_of_several_lengths(
     assert any(not torch.equal(mine[n], theirs[n]) for n in mine if ".layers.1." in n)
 
 
+def test_a_fine_tuned_tower_is_its_model_s_only_copy_in_the_process(towers) -> None:
+    """No frozen copy beside the trainable one (a ViT-B/16's 340 MB in every process that
+    builds the model), and preparing its inputs (DataLoader workers) loads the processor only."""
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["clip"]),
+                                    "input": "image", "train_layers": 1}, "m")  # fmt: skip
+    pretrained_module._LOADED.clear()
+    enc = build_encoder(cfg, 8)
+    inputs = enc.collate([decode(data_uri("image/png", png(5)), cfg)])
+    assert enc(inputs).shape == (1, 8)
+    assert pretrained_module._LOADED == {}
+
+
 def test_clear_errors(towers, tmp_path, capsys) -> None:
     missing = tmp_path / "no-such-model"
     cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(missing),
