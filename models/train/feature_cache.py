@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from models.config import ConfigError
 from models.encoders import Featurizer
 
 DB = "features.sqlite"
@@ -52,10 +53,16 @@ class FeatureStore:
         self._db: sqlite3.Connection | None = None  # opened in the process that uses it
         # The file is made here, in the process that builds the loader, before its workers
         # start: processes opening a new file at once race on WAL mode ("database is locked").
-        directory.mkdir(parents=True, exist_ok=True)
-        with closing(self._connect()) as db:
-            db.execute("PRAGMA journal_mode=WAL")  # kept in the file
-            db.execute("CREATE TABLE IF NOT EXISTS f (k INTEGER PRIMARY KEY, v BLOB NOT NULL)")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            with closing(self._connect()) as db:
+                db.execute("PRAGMA journal_mode=WAL")  # kept in the file
+                db.execute("CREATE TABLE IF NOT EXISTS f (k INTEGER PRIMARY KEY, v BLOB NOT NULL)")
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(
+                f"feature cache {directory / DB}: {exc} (HCLIP_FEATURE_CACHE sets where it "
+                "lives; HCLIP_FEATURE_CACHE=off trains without it)"
+            ) from None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_db": None}

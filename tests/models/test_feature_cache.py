@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
+from models.config import ConfigError
 from models.train.feature_cache import FeatureStore, complete, gather
 
 
@@ -61,3 +63,14 @@ def test_a_batch_reads_what_is_stored_and_computes_each_missing_input_once(
     assert calls[-1] == [3] and again.tolist() == [[2, -2], [3, -3]]
     nothing = complete(gather([7], torch.tensor([7]), None), tower, None)  # no cache
     assert calls[-1] == [7] and nothing.tolist() == [[7, -7]]
+
+
+def test_a_cache_that_cannot_be_made_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    expected = r"feature cache .*a-file/tower/features.sqlite: .*HCLIP_FEATURE_CACHE=off trains"
+    with pytest.raises(ConfigError, match=expected):
+        FeatureStore(tmp_path / "a-file" / "tower")
+    (tmp_path / "garbage").mkdir()
+    (tmp_path / "garbage" / "features.sqlite").write_bytes(b"not a database, " * 100)
+    with pytest.raises(ConfigError, match=r"garbage/features.sqlite: file is not a database"):
+        FeatureStore(tmp_path / "garbage")
