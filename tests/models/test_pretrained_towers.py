@@ -477,6 +477,7 @@ def test_a_model_moves_to_another_machine_with_its_towers(towers, tmp_path, monk
     they are found by their directory names in HCLIP_TOWERS_DIR, and the model's fingerprint
     (a tower is its files) and the versions built with it stay valid."""
     from models.checkpoint import fingerprint
+    from models.errors import CheckpointError
 
     monkeypatch.setenv("HCLIP_FEATURE_CACHE", "off")
     here = tmp_path / "trained-here"
@@ -488,7 +489,7 @@ def test_a_model_moves_to_another_machine_with_its_towers(towers, tmp_path, monk
     assert index_build(tmp_path / "model", tmp_path / "records.jsonl", root) == 0
     before = fingerprint(tmp_path / "model")
     here.rename(tmp_path / "towers-there")  # another machine keeps them elsewhere
-    with pytest.raises(Exception, match="set HCLIP_TOWERS_DIR to a directory that holds it"):
+    with pytest.raises(CheckpointError, match="set HCLIP_TOWERS_DIR to a directory that holds"):
         fingerprint(tmp_path / "model")
     monkeypatch.setenv("HCLIP_TOWERS_DIR", str(tmp_path / "towers-there"))
     assert fingerprint(tmp_path / "model") == before
@@ -497,7 +498,7 @@ def test_a_model_moves_to_another_machine_with_its_towers(towers, tmp_path, monk
         assert r.status_code == 200 and len(r.json()["results"]) == 3, r.text
     monkeypatch.setenv("HCLIP_TOWERS_DIR", str(tmp_path / "empty"))
     with pytest.raises(
-        Exception, match=r"trained-here/\w+ does not exist, nor does .*/empty/\w+ \(HCLIP"
+        CheckpointError, match=r"trained-here/\w+ does not exist, nor does .*/empty/\w+ \(HCLIP"
     ):
         fingerprint(tmp_path / "model")
 
