@@ -138,12 +138,20 @@ def _files_hash(root: str, stats: tuple[tuple[str, int, int, int], ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def by_length(items: list[Any]) -> list[list[int]]:
-    """The positions of the clips of each length, lengths in the order first seen."""
+def by_length(items: list[Any]) -> list[tuple[torch.Tensor, list[Any]]]:
+    """The clips of each length with their positions in the batch, lengths in the order first
+    seen: clips of one length run through a tower together, unpadded (Tower.__call__ says why)."""
     groups: dict[int, list[int]] = {}
     for i, x in enumerate(items):
         groups.setdefault(len(x), []).append(i)
-    return list(groups.values())
+    return [(torch.tensor(where), [items[i] for i in where]) for where in groups.values()]
+
+
+def in_batch_order(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Rows computed group by group ((positions, rows) each), back in the batch's order."""
+    where = torch.cat([w for w, _ in parts])
+    rows = torch.cat([r for _, r in parts])
+    return rows[torch.argsort(where.to(rows.device))]
 
 
 # A fine-tuned audio tower's batch: per clip length, the clips' positions and their inputs.
@@ -185,10 +193,6 @@ class Tower:
     @property
     def input(self) -> str:
         return self.prep.input
-
-    @property
-    def processor(self) -> Any:
-        return self.prep.processor
 
     def inputs(self, items: list[Any]) -> dict[str, torch.Tensor]:
         return self.prep(items)
@@ -250,11 +254,7 @@ class Tower:
         a clip features that depend on the longest clip in its batch."""
         if self.input != "audio" or len({len(x) for x in items}) <= 1:
             return self._run(items)
-        out: list[torch.Tensor | None] = [None] * len(items)
-        for where in by_length(items):
-            for i, row in zip(where, self._run([items[i] for i in where]), strict=True):
-                out[i] = row
-        return torch.stack([row for row in out if row is not None])
+        return in_batch_order([(where, self._run(group)) for where, group in by_length(items)])
 
     def _run(self, items: list[Any]) -> torch.Tensor:
         device = next(self.model.parameters()).device
@@ -485,9 +485,7 @@ class PretrainedInputs:
         prep, items = load_processor(self.cfg), list(items)
         if prep.input != "audio":
             return prep(items)
-        # clips of one length together, unpadded, as a frozen tower runs them (Tower.__call__)
-        return [(torch.tensor(where), prep([items[i] for i in where]))
-                for where in by_length(items)]  # fmt: skip
+        return [(where, prep(group)) for where, group in by_length(items)]
 
 
 # A two-tower checkpoint's parts for one input: (tower, projection) attribute names.
@@ -593,9 +591,9 @@ class PretrainedEncoder(Encoder):
         else:
             mine = Tower(self.tower, load_processor(self.cfg), self.cfg.pooling)
             if isinstance(batch, list):  # AudioGroups: each length's clips, then back in order
-                where = torch.cat([w for w, _ in batch])
-                parts = torch.cat([mine.pooled(mine.forward(self.tower, x), x) for _, x in batch])
-                feats = parts[torch.argsort(where.to(parts.device))]
+                feats = in_batch_order(
+                    [(w, mine.pooled(mine.forward(self.tower, x), x)) for w, x in batch]
+                )
             else:
                 feats = mine.pooled(mine.forward(self.tower, batch), batch)
         return nn.functional.normalize(self.map(feats.float()), dim=-1)

@@ -28,7 +28,6 @@ from torch import nn
 from models.checkpoint import CheckpointError, build_model
 from models.config import RESUMABLE_CHANGES, ModelConfig, TrainConfig
 from models.device import autocast_dtype, resolve_device, to_device
-from models.encoders import featurizer
 from models.encoders.pretrained import PretrainedFeatures
 from models.model import MultimodalModel
 from models.progress import Progress
@@ -152,7 +151,7 @@ class Trainer:
         # The frozen towers the workers leave to this process: each on the training device.
         self.towers.clear()
         for n, store in reader.deferred.items():
-            tower = featurizer(self.model_cfg.modalities[n])
+            tower = reader.featurizers[n]
             assert isinstance(tower, PretrainedFeatures)
             tower.place(self.device, self.amp)
             self.towers[n] = (tower, store)
