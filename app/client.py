@@ -23,10 +23,10 @@ import io
 import random
 import time
 import wave
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 import numpy as np
@@ -178,7 +178,7 @@ def _numbers(value: Any) -> list[float]:
     return np.asarray(value, dtype=np.float64).ravel().tolist()
 
 
-# --- requests and retries -----------------------------------------------------------------------
+# --- requests and retries, once for both clients (no I/O) --------------------------------------
 
 
 def _error(r: httpx.Response) -> HclipError:
@@ -214,7 +214,65 @@ def _search_body(
     return body
 
 
-class _Settings:
+def _quote(record_id: str) -> str:
+    from urllib.parse import quote
+
+    return quote(record_id, safe="")
+
+
+def _batch_item(x: Mapping[str, Any]) -> SearchResult | HclipError:
+    if "results" in x:
+        return SearchResult.from_json(x)
+    return HclipError(int(x["status"]), x["error_type"], x["error"])
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One HTTP request for a client to send, after waiting wait_s (a retry's pause). The
+    client's headers (api_key's included) go with every request it sends."""
+
+    method: str
+    path: str
+    body: Any = None
+    wait_s: float = 0.0
+
+
+T = TypeVar("T")
+# A call, as a generator: it yields each request to send; the client sends the response back in
+# (or throws in the transport error sending raised) and gets the call's value at its return.
+Call = Generator[_Request, httpx.Response, T]
+
+
+class _Steps(Generic[T]):
+    """A call, step by step, for a client's loop: each request to send, in turn, which the client
+    answers (answer()) with its response or the transport error sending it raised; the call's
+    value once it has returned."""
+
+    def __init__(self, call: Call[T]):
+        self._call = call
+        self._answer: httpx.Response | httpx.TransportError  # the last request's
+        self.value: T
+
+    def answer(self, answer: httpx.Response | httpx.TransportError) -> None:
+        self._answer = answer
+
+    def __iter__(self) -> Iterator[_Request]:
+        try:
+            request = next(self._call)
+            while True:
+                yield request
+                if isinstance(self._answer, httpx.Response):
+                    request = self._call.send(self._answer)
+                else:
+                    request = self._call.throw(self._answer)
+        except StopIteration as done:
+            self.value = done.value
+
+
+class _Core:
+    """The settings, and every call once: which requests it makes and what their answers mean.
+    Client and AsyncClient only send the requests (and wait between attempts)."""
+
     def __init__(
         self,
         base_url: str,
@@ -243,8 +301,83 @@ class _Settings:
             return None
         return _wait_s(r, attempt, self.backoff_s, self.max_wait_s)
 
+    def _exchange(self, method: str, path: str, body: Any = None) -> Call[Any]:
+        """One request, retried as decide() says: its JSON answer, or the client's error."""
+        request = _Request(method, path, body)
+        attempt = 0
+        while True:
+            try:
+                r = yield request
+            except httpx.TimeoutException:
+                raise HclipTimeout(0, "timeout", f"no answer within {self.timeout} s") from None
+            except RETRYABLE as exc:
+                wait = self.decide(None, attempt)
+                if wait is None:
+                    raise HclipError(0, "connection", str(exc)) from exc
+            else:
+                if r.is_success:
+                    return r.json()
+                wait = self.decide(r, attempt)
+                if wait is None:
+                    raise _error(r)
+            request = replace(request, wait_s=wait)
+            attempt += 1
 
-class Client(_Settings):
+    def _info_call(self, refresh: bool) -> Call[Info]:
+        if self._info is None or refresh:
+            self._info = Info((yield from self._exchange("GET", "/v1/info")))
+        return self._info
+
+    def _health(self) -> Call[bool]:
+        return bool((yield from self._exchange("GET", "/healthz"))["status"] == "ok")
+
+    def _ready(self) -> Call[str]:
+        return str((yield from self._exchange("GET", "/readyz"))["index_version"])
+
+    def _search(
+        self,
+        query: Mapping[str, Any] | None,
+        embeddings: Mapping[str, Any] | None,
+        k: int | None,
+        filter: Mapping[str, Any] | None,
+        effort: int | None,
+    ) -> Call[SearchResult]:
+        kinds = (yield from self._info_call(False)).inputs if query else {}
+        body = _search_body(query, embeddings, k, filter, effort, kinds)
+        return SearchResult.from_json((yield from self._exchange("POST", "/v1/search", body)))
+
+    def _search_batch(
+        self, searches: Sequence[Mapping[str, Any]]
+    ) -> Call[list[SearchResult | HclipError]]:
+        kinds = (yield from self._info_call(False)).inputs
+        queries = [
+            _search_body(s.get("query"), s.get("embeddings"), s.get("k"), s.get("filter"),
+                         s.get("effort"), kinds)
+            for s in searches
+        ]  # fmt: skip
+        out = yield from self._exchange("POST", "/v1/search/batch", {"queries": queries})
+        return [_batch_item(x) for x in out["results"]]
+
+    def _embed(self, modality: str, inputs: Sequence[Any]) -> Call[np.ndarray]:
+        kind = (yield from self._info_call(False)).inputs.get(modality, "vector")
+        body = {"modality": modality, "inputs": [to_raw(v, kind) for v in inputs]}
+        out = yield from self._exchange("POST", "/v1/embed", body)
+        return np.asarray(out["embeddings"], np.float32)
+
+    def _record(self, record_id: str) -> Call[Record]:
+        obj = yield from self._exchange("GET", f"/v1/records/{_quote(record_id)}")
+        return Record(obj["id"], obj["payload"], obj["modalities"], obj["index_version"])
+
+    def _record_embeddings(self, record_id: str) -> Call[RecordEmbeddings]:
+        obj = yield from self._exchange("GET", f"/v1/records/{_quote(record_id)}/embeddings")
+        embs = {m: np.asarray(v, np.float32) for m, v in obj["embeddings"].items()}
+        return RecordEmbeddings(obj["id"], obj["index_version"], obj["model_fingerprint"], embs)
+
+
+# --- the two clients: the I/O only ---------------------------------------------------------------
+
+
+class Client(_Core):
     """The synchronous client; a context manager (or call close())."""
 
     def __init__(
@@ -272,38 +405,27 @@ class Client(_Settings):
     def close(self) -> None:
         self._http.close()
 
-    def _request(self, method: str, path: str, body: Any = None) -> Any:
-        attempt = 0
-        while True:
-            r: httpx.Response | None = None
+    def _run(self, call: Call[T]) -> T:
+        steps = _Steps(call)
+        for request in steps:
+            time.sleep(request.wait_s)
             try:
-                r = self._http.request(method, path, json=body)
-            except httpx.TimeoutException:
-                raise HclipTimeout(0, "timeout", f"no answer within {self.timeout} s") from None
-            except RETRYABLE as exc:
-                wait = self.decide(None, attempt)
-                if wait is None:
-                    raise HclipError(0, "connection", str(exc)) from exc
+                r = self._http.request(request.method, request.path, json=request.body)
+            except httpx.TransportError as exc:
+                steps.answer(exc)
             else:
-                if r.is_success:
-                    return r.json()
-                wait = self.decide(r, attempt)
-                if wait is None:
-                    raise _error(r)
-            time.sleep(wait)
-            attempt += 1
+                steps.answer(r)
+        return steps.value
 
     def info(self, refresh: bool = False) -> Info:
-        if self._info is None or refresh:
-            self._info = Info(self._request("GET", "/v1/info"))
-        return self._info
+        return self._run(self._info_call(refresh))
 
     def health(self) -> bool:
-        return bool(self._request("GET", "/healthz")["status"] == "ok")
+        return self._run(self._health())
 
     def ready(self) -> str:
         """The loaded index version (waits, within the retries, while the service loads)."""
-        return str(self._request("GET", "/readyz")["index_version"])
+        return self._run(self._ready())
 
     def search(
         self,
@@ -313,40 +435,27 @@ class Client(_Settings):
         filter: Mapping[str, Any] | None = None,
         effort: int | None = None,
     ) -> SearchResult:
-        kinds = self.info().inputs if query else {}
-        body = _search_body(query, embeddings, k, filter, effort, kinds)
-        return SearchResult.from_json(self._request("POST", "/v1/search", body))
+        return self._run(self._search(query, embeddings, k, filter, effort))
 
     def search_batch(
         self, searches: Sequence[Mapping[str, Any]]
     ) -> list[SearchResult | HclipError]:
         """Each search is a dict of search()'s keyword arguments; each answer is its result or
         its own error, in order."""
-        kinds = self.info().inputs
-        queries = [
-            _search_body(s.get("query"), s.get("embeddings"), s.get("k"), s.get("filter"),
-                         s.get("effort"), kinds)
-            for s in searches
-        ]  # fmt: skip
-        out = self._request("POST", "/v1/search/batch", {"queries": queries})["results"]
-        return [_batch_item(x) for x in out]
+        return self._run(self._search_batch(searches))
 
     def embed(self, modality: str, inputs: Sequence[Any]) -> np.ndarray:
         """(len(inputs), d) embeddings of raw inputs of one modality."""
-        kind = self.info().inputs.get(modality, "vector")
-        body = {"modality": modality, "inputs": [to_raw(v, kind) for v in inputs]}
-        return np.asarray(self._request("POST", "/v1/embed", body)["embeddings"], np.float32)
+        return self._run(self._embed(modality, inputs))
 
     def record(self, record_id: str) -> Record:
-        obj = self._request("GET", f"/v1/records/{_quote(record_id)}")
-        return Record(obj["id"], obj["payload"], obj["modalities"], obj["index_version"])
+        return self._run(self._record(record_id))
 
     def record_embeddings(self, record_id: str) -> RecordEmbeddings:
-        obj = self._request("GET", f"/v1/records/{_quote(record_id)}/embeddings")
-        return _record_embeddings(obj)
+        return self._run(self._record_embeddings(record_id))
 
 
-class AsyncClient(_Settings):
+class AsyncClient(_Core):
     """The asynchronous client: the same methods, awaitable; an async context manager."""
 
     def __init__(
@@ -374,37 +483,26 @@ class AsyncClient(_Settings):
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, body: Any = None) -> Any:
-        attempt = 0
-        while True:
-            r: httpx.Response | None = None
+    async def _run(self, call: Call[T]) -> T:
+        steps = _Steps(call)
+        for request in steps:
+            await asyncio.sleep(request.wait_s)
             try:
-                r = await self._http.request(method, path, json=body)
-            except httpx.TimeoutException:
-                raise HclipTimeout(0, "timeout", f"no answer within {self.timeout} s") from None
-            except RETRYABLE as exc:
-                wait = self.decide(None, attempt)
-                if wait is None:
-                    raise HclipError(0, "connection", str(exc)) from exc
+                r = await self._http.request(request.method, request.path, json=request.body)
+            except httpx.TransportError as exc:
+                steps.answer(exc)
             else:
-                if r.is_success:
-                    return r.json()
-                wait = self.decide(r, attempt)
-                if wait is None:
-                    raise _error(r)
-            await asyncio.sleep(wait)
-            attempt += 1
+                steps.answer(r)
+        return steps.value
 
     async def info(self, refresh: bool = False) -> Info:
-        if self._info is None or refresh:
-            self._info = Info(await self._request("GET", "/v1/info"))
-        return self._info
+        return await self._run(self._info_call(refresh))
 
     async def health(self) -> bool:
-        return bool((await self._request("GET", "/healthz"))["status"] == "ok")
+        return await self._run(self._health())
 
     async def ready(self) -> str:
-        return str((await self._request("GET", "/readyz"))["index_version"])
+        return await self._run(self._ready())
 
     async def search(
         self,
@@ -414,51 +512,18 @@ class AsyncClient(_Settings):
         filter: Mapping[str, Any] | None = None,
         effort: int | None = None,
     ) -> SearchResult:
-        kinds = (await self.info()).inputs if query else {}
-        body = _search_body(query, embeddings, k, filter, effort, kinds)
-        return SearchResult.from_json(await self._request("POST", "/v1/search", body))
+        return await self._run(self._search(query, embeddings, k, filter, effort))
 
     async def search_batch(
         self, searches: Sequence[Mapping[str, Any]]
     ) -> list[SearchResult | HclipError]:
-        kinds = (await self.info()).inputs
-        queries = [
-            _search_body(s.get("query"), s.get("embeddings"), s.get("k"), s.get("filter"),
-                         s.get("effort"), kinds)
-            for s in searches
-        ]  # fmt: skip
-        out = (await self._request("POST", "/v1/search/batch", {"queries": queries}))["results"]
-        return [_batch_item(x) for x in out]
+        return await self._run(self._search_batch(searches))
 
     async def embed(self, modality: str, inputs: Sequence[Any]) -> np.ndarray:
-        kind = (await self.info()).inputs.get(modality, "vector")
-        body = {"modality": modality, "inputs": [to_raw(v, kind) for v in inputs]}
-        return np.asarray(
-            (await self._request("POST", "/v1/embed", body))["embeddings"], np.float32
-        )
+        return await self._run(self._embed(modality, inputs))
 
     async def record(self, record_id: str) -> Record:
-        obj = await self._request("GET", f"/v1/records/{_quote(record_id)}")
-        return Record(obj["id"], obj["payload"], obj["modalities"], obj["index_version"])
+        return await self._run(self._record(record_id))
 
     async def record_embeddings(self, record_id: str) -> RecordEmbeddings:
-        return _record_embeddings(
-            await self._request("GET", f"/v1/records/{_quote(record_id)}/embeddings")
-        )
-
-
-def _quote(record_id: str) -> str:
-    from urllib.parse import quote
-
-    return quote(record_id, safe="")
-
-
-def _batch_item(x: Mapping[str, Any]) -> SearchResult | HclipError:
-    if "results" in x:
-        return SearchResult.from_json(x)
-    return HclipError(int(x["status"]), x["error_type"], x["error"])
-
-
-def _record_embeddings(obj: Mapping[str, Any]) -> RecordEmbeddings:
-    embs = {m: np.asarray(v, np.float32) for m, v in obj["embeddings"].items()}
-    return RecordEmbeddings(obj["id"], obj["index_version"], obj["model_fingerprint"], embs)
+        return await self._run(self._record_embeddings(record_id))

@@ -13,42 +13,23 @@ import faiss
 import threadpoolctl
 import torch
 from fastapi import FastAPI
-from starlette.types import Receive, Scope, Send
 
 from app.api import handlers, ops, page, records, search
 from app.api import openapi as api_doc
 from app.api.auth import Keys
-from app.api.fastpath import SearchFastPath, is_fast_path
-from app.api.http import ApiRoute, JSONResponse
-from app.api.middleware import BodyLimitMiddleware, MetricsMiddleware, RequestContextMiddleware
+from app.api.http import JSONResponse
+from app.api.middleware import body_limit, request_context, request_metrics
 from app.core.metrics import Metrics
-from app.core.settings import Settings, get_settings, machine_cores
+from app.core.settings import Settings, get_settings
 from app.services.cache import make_cache
-from app.services.idle_cores import SearchLoad
+from app.services.checks import RequestChecks
 from app.services.search import SearchService
 from app.services.state import AppState
 from app.services.threads import WorkerPools
 from app.services.versions import ServingVersion, VersionManager
+from app.services.workers import WorkerBoard, exit_with_parent
 
 log = logging.getLogger(__name__)
-
-
-class App(FastAPI):
-    """FastAPI, with POST /v1/search taken before the framework's own layers (its telemetry,
-    error and body-limit middlewares, routing): see app/api/fastpath.py."""
-
-    fast_path: SearchFastPath | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.fast_path is not None and is_fast_path(scope):
-            scope["app"] = self
-            await self.fast_path(scope, receive, send)
-            return
-        await super().__call__(scope, receive, send)
-
-    async def routed(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The request through the whole FastAPI stack (what the fast path hands on)."""
-        await super().__call__(scope, receive, send)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -58,11 +39,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # OpenMP counts are per thread: the worker pools set theirs in their own threads. The
-        # event loop's thread runs small work (vector encoders, lone searches on the loop), for
-        # which waking another thread under the passive wait policy costs more than it saves.
+        # event loop's thread runs small work (vector encoders), for which waking another
+        # thread costs more than it saves.
         torch.set_num_threads(1)
         faiss.omp_set_num_threads(settings.search_threads)
-        # numpy's OpenBLAS keeps a pool of one thread per core, process-wide: held to a share.
+        # numpy's and FAISS's OpenBLAS keep a pool of one thread per core, process-wide: held
+        # to this worker's share.
         threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")
         pools = WorkerPools(settings.search_threads, settings.encode_threads)
         cache = make_cache(
@@ -73,26 +55,32 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             metrics=metrics,
             secret=settings.cache_secret,
         )
-        load = SearchLoad(machine_cores())
-        versions = VersionManager(settings, metrics, pools, load)
-        service = SearchService(settings, metrics, cache, load)
-        app.state.hclip = AppState(settings, metrics, cache, versions, pools, service)
+        board = WorkerBoard(settings.workers_dir, settings.workers, Metrics.worker_exited)
+        versions = VersionManager(settings, metrics, pools, board)
+        service = SearchService(settings, metrics, cache)
+        app.state.hclip = AppState(
+            settings, metrics, cache, versions, pools, service, RequestChecks(settings), board
+        )
         log.info("index root %s, cache %s", settings.root, cache.backend)
-        # The first version is loaded and warmed before the server listens (uvicorn binds once
-        # the lifespan has started), so no worker takes a connection it cannot answer.
+        # The first version is loaded and warmed before the server listens (uvicorn accepts
+        # once the lifespan has started), so no worker takes a connection it cannot answer.
         await versions.start()
-        poller = asyncio.create_task(versions.poll_forever())
+        tasks = [asyncio.create_task(versions.poll_forever())]
+        if settings.workers_dir is not None:  # a worker of `hclip serve --workers N`
+            tasks.append(asyncio.create_task(exit_with_parent()))
         try:
             yield
         finally:
-            poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await poller
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            board.leave()
             await cache.close()
             pools.shutdown()
             metrics.worker_exited()
 
-    app = App(
+    app = FastAPI(
         title="H-CLIP retrieval",
         version="0.1.0",
         description="Search records of several modalities with a Hadamard-CLIP model. Errors "
@@ -100,22 +88,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
         default_response_class=JSONResponse,
     )
-    app.router.route_class = ApiRoute
-    app.state.keys = Keys.of(settings)  # read keys, checked by the routes and the fast path
+    app.state.keys = Keys.of(settings)  # read keys, checked by the routes before their bodies
     handlers.install(app)
     app.add_middleware(
-        BodyLimitMiddleware,
+        body_limit,
         max_bytes=settings.max_body_bytes,
         timeout_s=settings.body_timeout_s,
     )
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(request_metrics, metrics=metrics)
     instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
     # outermost: every response gets its request id and the instance that answered it
-    app.add_middleware(RequestContextMiddleware, instance=instance)
-    # In front of the whole stack: the search route's own path past the framework.
-    app.fast_path = SearchFastPath(
-        app.routed, metrics=metrics, instance=instance, max_body_bytes=settings.max_body_bytes
-    )
+    app.add_middleware(request_context, instance=instance)
     # Routes are matched in order: the search routes, the busiest, come first.
     for module in (search, ops, records):
         app.include_router(module.router)

@@ -6,7 +6,7 @@ test (this machine is shared and noisy: compare the ratios of one run, measured 
     python benchmarks/bench_ann.py                                   # 100k and 1M, both models
     python benchmarks/bench_ann.py --records 100000 --out docs/ann   # the quick run, written out
 
-The data: the expressivity benchmark's pure-interaction task (models/bench_expressivity.py:
+The data: the expressivity benchmark's pure-interaction task (benchmarks/expressivity.py:
 K = 32 symbols, a and b uniform, c = (a + b) mod K, each modality a 16-d codebook row plus
 noise 0.3), with d = 128. "trained": an H-CLIP trained on 8,192 tuples of it (--epochs);
 "untrained": the same architecture with its initial random weights (the hard case: no cluster
@@ -16,8 +16,8 @@ records, as `hclip index build --spec auto` forms them.
 
 Each (model, size) runs indexer.build.views.build_view with an `auto` spec, the code path of a
 build: the flat vectors are written, the tuner measures every candidate family on one FAISS
-thread (see indexer/tune.py), picks, and writes the index. `--explore-to` makes each sweep
-continue past the target so the frontier shows more of each curve.
+thread (see indexer/tune/tuner.py), picks, and writes the index. `--explore-to` makes each
+sweep continue past the target so the frontier shows more of each curve.
 
 With --out DIR: DIR/results.json (every figure), DIR/results.md (the tables) and
 DIR/frontier.png (one panel per model and size).

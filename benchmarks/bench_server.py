@@ -129,7 +129,7 @@ def raw_figures(root: Path, seconds: float) -> dict[str, Any]:
     import torch
 
     sys.path.insert(0, str(REPO))
-    from indexer.search import crossover, exact
+    from indexer.search import exact
 
     xb = view_vectors(root)
     np.asarray(xb).sum()  # fault the pages in: every figure reads the same resident data
@@ -141,13 +141,9 @@ def raw_figures(root: Path, seconds: float) -> dict[str, Any]:
         rounds = []
         at = iter(range(10**12))  # a fresh query each call
         for _ in range(5):
-            rounds.append(_rate(lambda: exact.scan(queries[next(at) % 256][None], xb, 10), 1.0))
-        # the crossover a server with one search thread per worker measures (and keeps)
-        from app.core.settings import Settings
-
-        cut = crossover.products_from(xb.shape[1], 1, Settings().kernels_dir)
+            rounds.append(_rate(lambda: exact.search(queries[next(at) % 256][None], xb, 10), 1.0))
         served = {
-            b: b * _rate(lambda b=b: exact.search(queries[:b], xb, 10, products_from=cut), seconds)
+            b: b * _rate(lambda b=b: exact.search(queries[:b], xb, 10), seconds)
             for b in (1, 2, 4, 8, 16, 32, 64)
         }
     cores = len(os.sched_getaffinity(0))
@@ -164,7 +160,6 @@ def raw_figures(root: Path, seconds: float) -> dict[str, Any]:
     return {
         "single": {"qps": float(np.median(rounds)), "min": min(rounds), "max": max(rounds)},
         "served_kernels": served,
-        "products_from": cut,
         "batched_limit": {"qps": limit, "cores": cores},
         "blas": blas_libraries(),
         "n": int(xb.shape[0]),
@@ -342,7 +337,7 @@ def main() -> None:
     print(
         "exact search as served, one thread, queries/s by batch size: "
         + ", ".join(f"{b}: {q:.0f}" for b, q in raw["served_kernels"].items())
-        + f" (products from {raw['products_from']} queries: indexer/search/crossover.py)"
+        + " (faiss.knn: indexer/search/exact.py)"
     )
     print(f"batched-product limit (numpy, 64 queries, {cores} cores): {limit:.0f} queries/s")
     print(f"import torch alone: {figures['import_torch_s']:.2f} s")

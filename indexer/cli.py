@@ -14,7 +14,7 @@ from indexer.store import artifact
 from indexer.tune.defaults import FAMILIES, MIN_SPEEDUP, MIN_TIMING_S, SERVED_BATCH
 
 if TYPE_CHECKING:
-    from indexer.build.jobs import JobOptions
+    from indexer.build.options import JobOptions
 
 # The jobs themselves (torch, FAISS) are imported by the command that runs them, so that help
 # and argument errors answer at once.
@@ -153,7 +153,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
-    from indexer.build.jobs import JobOptions
+    from indexer.build.options import JobOptions
     from indexer.build.views import parse_views
 
     if args.batch_size < 1:
@@ -197,7 +197,8 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
 
 
 def _build(args: argparse.Namespace) -> int:
-    from indexer.build.jobs import build, summary
+    from indexer.build.build_job import build
+    from indexer.build.options import summary
     from models.checkpoint import read_config
 
     cfg, _ = read_config(args.model)
@@ -207,7 +208,8 @@ def _build(args: argparse.Namespace) -> int:
 
 
 def _update(args: argparse.Namespace) -> int:
-    from indexer.build.jobs import summary, update
+    from indexer.build.options import summary
+    from indexer.build.update_job import update
 
     vdir = artifact.current_version_dir(args.root)
     names = artifact.read_manifest(vdir)["modalities"]

@@ -158,7 +158,7 @@ def fingerprint(model_dir: str | Path) -> str:
 
 
 def _pretrained_block(cfg: ModelConfig) -> dict[str, Any]:
-    from models.encoders.pretrained import identity
+    from models.encoders.tower_files import identity
 
     out: dict[str, Any] = {}
     for name in cfg.names:

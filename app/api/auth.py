@@ -4,7 +4,9 @@
 the API's description stay open; /v1/admin/* has its own token (HCLIP_ADMIN_TOKEN).
 
 A presented key is compared with every configured one in constant time (hmac.compare_digest),
-so neither a match nor its position shows in the time taken.
+so neither a match nor its position shows in the time taken. Every route reads the header the
+same way (`presented`): one `Authorization: Bearer <key>` header, or none; two headers, another
+scheme or an empty key present no key at all.
 """
 
 from __future__ import annotations
@@ -12,9 +14,8 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends, Request
 
 from app.core.errors import Unauthorized
 from app.core.settings import Settings
@@ -47,16 +48,13 @@ class Keys:
         return Keys(tuple(k.encode() for k in read), tuple(k.encode() for k in metrics))
 
 
-def presented(authorization: bytes | str | None) -> bytes | None:
-    """The key of an `Authorization: Bearer <key>` header, as bytes (any byte may come)."""
-    if authorization is None:
+def presented(request: Request) -> bytes | None:
+    """The key of the request's one `Authorization: Bearer <key>` header, as bytes (any byte
+    may come); None for no header, several, another scheme or an empty key."""
+    values = [v for k, v in request.scope["headers"] if k == b"authorization"]
+    if len(values) != 1:
         return None
-    raw = (
-        authorization
-        if isinstance(authorization, bytes)
-        else authorization.encode("utf-8", "surrogateescape")
-    )
-    scheme, _, key = raw.partition(b" ")
+    scheme, _, key = values[0].partition(b" ")
     return key.strip() if scheme.lower() == b"bearer" and key.strip() else None
 
 
@@ -74,17 +72,21 @@ def refused(what: str) -> Unauthorized:
     return Unauthorized(f"{what} needs 'Authorization: Bearer <key>' with a key the server knows")
 
 
-async def read_key(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
-    """A dependency of every read route."""
-    if not matches(presented(authorization), request.app.state.keys.read):
+async def read_key(request: Request) -> None:
+    """A dependency of every read route, solved before the route's body is read."""
+    if not matches(presented(request), request.app.state.keys.read):
         raise refused("this route")
 
 
-async def metrics_key(
-    request: Request, authorization: Annotated[str | None, Header()] = None
-) -> None:
-    if not matches(presented(authorization), request.app.state.keys.metrics):
+async def metrics_key(request: Request) -> None:
+    if not matches(presented(request), request.app.state.keys.metrics):
         raise refused("/metrics")
+
+
+def admin_token_matches(request: Request, token: str | None) -> bool:
+    """The admin routes' check: HCLIP_ADMIN_TOKEN set, and presented as the one bearer key."""
+    key = presented(request)
+    return bool(token) and key is not None and hmac.compare_digest(key, (token or "").encode())
 
 
 ReadKey = Depends(read_key)

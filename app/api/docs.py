@@ -1,4 +1,4 @@
-"""The error responses each route documents in the OpenAPI document (see app/errors.py)."""
+"""The error responses each route documents in the OpenAPI document (see app/core/errors.py)."""
 
 from __future__ import annotations
 

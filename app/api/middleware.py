@@ -1,5 +1,6 @@
-"""Pure ASGI middlewares (cheaper than BaseHTTPMiddleware): request ids and the last-resort 500,
-request metrics, and a body limit."""
+"""Pure ASGI middlewares (cheaper than BaseHTTPMiddleware), each a function that wraps an ASGI
+app: request ids and the last-resort 500, request metrics, and the body's size and time limits.
+Their early answers are app.api.http.error_response's, like every other error."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import orjson
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core.errors import ApiError, BodyTimeout
+from app.api.http import error_response
+from app.core.errors import ApiError, BodyTimeout, InternalError, TooLarge
 from app.core.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -24,26 +25,15 @@ _CLIENT_ID = re.compile(rb"^[A-Za-z0-9._:-]{1,64}$")
 
 
 def request_id_of(scope: Scope) -> str:
-    """The request's id: the one given it already (the fast path hands a request on with its
-    id), else the client's X-Request-ID when it is a sane token, else a fresh one."""
-    given: str | None = scope.get("state", {}).get("request_id")
-    if given:
-        return given
+    """The request's id: the client's X-Request-ID when it is a sane token, else a fresh one."""
     for k, v in scope["headers"]:
         if k == b"x-request-id" and _CLIENT_ID.match(v):
             return v.decode()
     return secrets.token_hex(8)
 
 
-def body_too_large(max_bytes: int, rid: str | None) -> bytes:
-    """The 413 envelope of a body over HCLIP_MAX_BODY_BYTES."""
-    return orjson.dumps(
-        {
-            "error": f"request body over the limit of {max_bytes} bytes (HCLIP_MAX_BODY_BYTES)",
-            "error_type": "too_large",
-            "request_id": rid,
-        }
-    )
+def too_large(max_bytes: int) -> TooLarge:
+    return TooLarge(f"request body over the limit of {max_bytes} bytes (HCLIP_MAX_BODY_BYTES)")
 
 
 def receive_within(receive: Receive, timeout_s: float) -> Receive:
@@ -71,28 +61,18 @@ def receive_within(receive: Receive, timeout_s: float) -> Receive:
     return bounded
 
 
-def internal_error_body(rid: str) -> bytes:
-    """The 500 envelope: no detail of the bug, only the request id to find it in the log."""
-    return orjson.dumps(
-        {"error": "internal error", "error_type": "internal_error", "request_id": rid}
-    )
-
-
-class RequestContextMiddleware:
+def request_context(app: ASGIApp, instance: str = "") -> ASGIApp:
     """Gives every request an id (the client's X-Request-ID when it is a sane token) that the
     response and any log line about it carry, and says which instance answered
     (X-Hclip-Instance: behind a load balancer or with several workers, that is the one whose
     logs to read); and turns an exception that escaped every handler into a 500 envelope with
     `Connection: close`, so that the client's connection is closed properly instead of dropped
     mid-keep-alive."""
+    answered_by = (b"x-hclip-instance", instance.encode("latin-1", "replace"))
 
-    def __init__(self, app: ASGIApp, instance: str = ""):
-        self.app = app
-        self.instance = (b"x-hclip-instance", instance.encode("latin-1", "replace"))
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def with_context(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
             return
         rid = request_id_of(scope)
         scope.setdefault("state", {})["request_id"] = rid
@@ -103,30 +83,18 @@ class RequestContextMiddleware:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", []), header, self.instance]
+                message["headers"] = [*message.get("headers", []), header, answered_by]
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            await app(scope, receive, send_with_id)
         except Exception:
             log.exception("request %s %s %s failed", rid, scope["method"], scope["path"])
             if started:
                 raise  # headers are out: nothing better to do than let the server close it
-            body = internal_error_body(rid)
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": 500,
-                    "headers": [
-                        (b"content-type", b"application/json"),
-                        (b"content-length", str(len(body)).encode()),
-                        (b"connection", b"close"),
-                        header,
-                        self.instance,
-                    ],
-                }
-            )
-            await send({"type": "http.response.body", "body": body})
+            await error_response(InternalError(), rid, close=True)(scope, receive, send_with_id)
+
+    return with_context
 
 
 def endpoint_of(scope: Scope) -> str:
@@ -151,14 +119,12 @@ def _flat(routes: Iterable[Any]) -> Iterator[Any]:
             yield route
 
 
-class MetricsMiddleware:
-    def __init__(self, app: ASGIApp, metrics: Metrics):
-        self.app = app
-        self.metrics = metrics
+def request_metrics(app: ASGIApp, metrics: Metrics) -> ASGIApp:
+    """Counts every request by route template, method and status, and times it."""
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def measured(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
             return
         start = time.perf_counter()
         status = [500]
@@ -171,70 +137,59 @@ class MetricsMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_wrapper)
+            await app(scope, receive, send_wrapper)
         finally:
             # The route template, not the raw path, keeps label cardinality bounded.
             route: Any = scope.get("route")
             endpoint = getattr(route, "path", None) or endpoint_of(asked)
-            self.metrics.requests.labels(endpoint, scope["method"], str(status[0])).inc()
-            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+            metrics.requests.labels(endpoint, scope["method"], str(status[0])).inc()
+            metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+
+    return measured
 
 
-class BodyLimitMiddleware:
+def body_limit(app: ASGIApp, max_bytes: int, timeout_s: float) -> ASGIApp:
     """413 for bodies over the limit, whether announced by Content-Length or streamed, and 408
     with `Connection: close` for a body that stops arriving (HCLIP_BODY_TIMEOUT_S): answered
     here, and the app is told the client left, so it stops reading."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float):
-        self.app = app
-        self.max_bytes = max_bytes
-        self.timeout_s = timeout_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def limited(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
-            await self.app(scope, receive, send)
+            await app(scope, receive, send)
             return
         rid = scope.get("state", {}).get("request_id")
         for name, value in scope.get("headers", []):
-            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
-                await _answer(send, 413, body_too_large(self.max_bytes, rid))
+            if name == b"content-length" and value.isdigit() and int(value) > max_bytes:
+                await error_response(too_large(max_bytes), rid)(scope, receive, send)
                 return
-        receive = receive_within(receive, self.timeout_s)
+        timed = receive_within(receive, timeout_s)
         seen = 0
         answered = False
 
+        async def answer(exc: ApiError, close: bool = False) -> Message:
+            nonlocal answered
+            answered = True
+            await error_response(exc, rid, close)(scope, receive, send)
+            return {"type": "http.disconnect"}
+
         async def limited_receive() -> Message:
-            nonlocal seen, answered
+            nonlocal seen
             if answered:
                 return {"type": "http.disconnect"}
             try:
-                message = await receive()
+                message = await timed()
             except BodyTimeout as exc:
-                answered = True
-                await _answer(send, exc.status, error_body(exc, rid), close=True)
-                return {"type": "http.disconnect"}
+                return await answer(exc, close=True)
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    answered = True
-                    await _answer(send, 413, body_too_large(self.max_bytes, rid))
-                    return {"type": "http.disconnect"}
+                if seen > max_bytes:
+                    return await answer(too_large(max_bytes))
             return message
 
         async def guarded_send(message: Message) -> None:
             if not answered:  # once the 413 or 408 is out, whatever the app says goes nowhere
                 await send(message)
 
-        await self.app(scope, limited_receive, guarded_send)
+        await app(scope, limited_receive, guarded_send)
 
-
-def error_body(exc: ApiError, rid: str | None) -> bytes:
-    return orjson.dumps({"error": exc.message, "error_type": exc.error_type, "request_id": rid})
-
-
-async def _answer(send: Send, status: int, body: bytes, close: bool = False) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    if close:
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    return limited

@@ -1,6 +1,6 @@
 """The OpenAPI document, specialised to the version being served.
 
-The request models (app/schemas.py) take any modality name and any raw input, because the
+The request models (app/api/schemas.py) take any modality name and any raw input, because the
 model is only known once a version is loaded. /openapi.json then says what this deployment
 accepts: the modalities by name, each with the schema of its kind (a string of text, a base64
 data: URI, a list of exactly `dim` numbers), embeddings of exactly d numbers, the filterable
@@ -16,11 +16,15 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
 
+from app.api.schemas import BatchSearchRequest, EmbedRequest, SearchRequest
 from app.core.settings import Settings
 from app.services.versions import ServingVersion
 
 DATA_URI = r"^data:[^,]*;base64,"
+# Bodies the routes read themselves (app.api.http.json_body): their schemas are added here.
+REQUEST_MODELS = (SearchRequest, BatchSearchRequest, EmbedRequest)
 
 
 def with_article(word: str) -> str:
@@ -173,6 +177,11 @@ def install(app: FastAPI, settings: Settings, current: Callable[[], ServingVersi
                 description=app.description,
                 routes=app.routes,
             )
+            _, top = models_json_schema(
+                [(m, "validation") for m in REQUEST_MODELS],
+                ref_template="#/components/schemas/{model}",
+            )
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(top["$defs"])
             if serving is not None:
                 doc = copy.deepcopy(doc)
                 specialise(doc, serving, settings)

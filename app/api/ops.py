@@ -2,22 +2,21 @@
 
 from __future__ import annotations
 
-import hmac
 import time
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Header
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.api.auth import MetricsKey, ReadKey
+from app.api.auth import MetricsKey, ReadKey, admin_token_matches
 from app.api.deps import Serving, State
 from app.api.docs import errors
-from app.api.http import ApiRoute, JSONResponse
+from app.api.http import JSONResponse
 from app.api.schemas import Health, InfoResponse, Ready, ReloadResponse
 from app.core.errors import NotReady, Unauthorized
 from app.services.state import AppState
 
-router = APIRouter(route_class=ApiRoute)
+router = APIRouter()
 
 
 @router.get("/healthz", response_model=Health, summary="Liveness: the process answers")
@@ -29,13 +28,16 @@ async def healthz() -> JSONResponse:
     "/readyz",
     response_model=Ready,
     responses=errors(503),
-    summary="Readiness: a version is loaded",
+    summary="Readiness: every worker serves a version",
 )
 async def readyz(state: State) -> JSONResponse:
-    # Ready means this process serves a version now: no waiting for one here.
+    # Ready means every worker serves a version now: no waiting for one here.
     current = state.versions.current
     if current is None:
         raise NotReady(state.versions.not_ready())
+    others = state.workers.not_ready()
+    if others is not None:
+        raise NotReady(others)
     return JSONResponse({"status": "ready", "index_version": current.version})
 
 
@@ -107,28 +109,14 @@ async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-def _token_matches(authorization: str | None, token: str | None) -> bool:
-    if not token or not authorization:
-        return False
-    scheme, _, presented = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    # Bytes, not str: compare_digest refuses non-ASCII str, and a header may hold any byte.
-    return hmac.compare_digest(
-        presented.strip().encode("utf-8", "surrogateescape"), token.encode("utf-8")
-    )
-
-
 @router.post(
     "/v1/admin/reload",
     response_model=ReloadResponse,
     responses=errors(401, 409),
     summary="Load the version CURRENT names now (a rejected one is retried at once)",
 )
-async def reload(
-    state: State, authorization: Annotated[str | None, Header()] = None
-) -> JSONResponse:
-    if not _token_matches(authorization, state.settings.admin_token):
+async def reload(request: Request, state: State) -> JSONResponse:
+    if not admin_token_matches(request, state.settings.admin_token):
         raise Unauthorized("admin endpoints need 'Authorization: Bearer <HCLIP_ADMIN_TOKEN>'")
     changed = await state.versions.refresh(force=True)
     current = state.versions.current

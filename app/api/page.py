@@ -11,13 +11,13 @@ from starlette.staticfiles import StaticFiles
 
 from app.api.deps import State
 from app.api.docs import errors
-from app.api.http import ApiRoute, JSONResponse
+from app.api.http import JSONResponse
 from app.core.errors import NotFound
 
 STATIC = Path(__file__).resolve().parent.parent / "static"
 EXAMPLES = "examples.json"
 
-router = APIRouter(route_class=ApiRoute)
+router = APIRouter()
 
 
 @router.get("/", include_in_schema=False)

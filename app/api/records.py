@@ -11,12 +11,12 @@ from fastapi import APIRouter
 from app.api.auth import ReadKey
 from app.api.deps import Serving
 from app.api.docs import errors
-from app.api.http import ApiRoute, JSONResponse
+from app.api.http import JSONResponse
 from app.api.schemas import RecordEmbeddingsResponse, RecordResponse
 from app.core.errors import NotFound
 from app.services.versions import ServingVersion
 
-router = APIRouter(route_class=ApiRoute, dependencies=[ReadKey])
+router = APIRouter(dependencies=[ReadKey])
 T = TypeVar("T")
 
 

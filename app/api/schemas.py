@@ -1,8 +1,10 @@
 """The HTTP API's request and response bodies: the OpenAPI document is generated from these.
 
-Numbers are strict where JSON would let a mistake pass: `k: true` is not 1, and a boolean in a
-vector is not a number. Values that depend on the loaded model (which modalities exist, a
-vector's length) are checked by the handlers, with the same 422 and error envelope.
+Numbers are strict where JSON would let a mistake pass: `k: true` is not 1, a boolean in a
+vector is not a number, and a number beyond a double (1e400) is not infinity. The counts below
+bound what a body can make the parser build, whatever the settings; what depends on the served
+model and the settings (which modalities exist, a vector's length, k's range, how many queries
+a batch may hold) is checked once, by app.services.checks, with the same 422 and error envelope.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from pydantic import (
     model_validator,
 )
 
-Number = Annotated[float, Field(strict=True)]  # an int or a float, never a boolean
+# an int or a float, never a boolean, never infinite
+Number = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+# What one body may hold, at most, before any setting applies (the settings' own bounds are
+# smaller and checked by app.services.checks).
+MAX_MODALITIES = 64  # modalities named in a query or an embeddings object
+MAX_NUMBERS = 1 << 16  # numbers in one vector or embedding
+MAX_FILTER_FIELDS = 64  # fields in a filter
+MAX_IN_VALUES = 4096  # values in a filter's `in` list
+MAX_ITEMS = 1024  # queries in a batch, inputs in an embed request
 
 
 def _integral(value: Any) -> Any:
@@ -35,7 +45,7 @@ def _integral(value: Any) -> Any:
 # (app.services.search), so that k: 0 and k: 10^6 are refused alike, naming range and setting.
 Count = Annotated[int, BeforeValidator(_integral), Field(strict=True)]
 RawInput = Annotated[
-    str | list[Number],
+    str | Annotated[list[Number], Field(max_length=MAX_NUMBERS)],
     Field(
         description="text for a `text` modality; a base64 `data:` URI for `image` and `audio`; "
         "the numbers of a `vector` (or `embedding`) modality"
@@ -58,7 +68,7 @@ class InCondition(BaseModel):
     """The field equals one of these values."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
-    in_: list[FilterScalar] = Field(alias="in", min_length=1)
+    in_: list[FilterScalar] = Field(alias="in", min_length=1, max_length=MAX_IN_VALUES)
 
 
 class RangeCondition(BaseModel):
@@ -91,10 +101,13 @@ class SearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     query: dict[str, RawInput] = Field(
-        default_factory=dict, description="modality -> raw input, encoded by the server"
-    )
-    embeddings: dict[str, list[Number]] = Field(
         default_factory=dict,
+        max_length=MAX_MODALITIES,
+        description="modality -> raw input, encoded by the server",
+    )
+    embeddings: dict[str, Annotated[list[Number], Field(max_length=MAX_NUMBERS)]] = Field(
+        default_factory=dict,
+        max_length=MAX_MODALITIES,
         description="modality -> precomputed embedding (the model's latent d numbers, "
         "as GET /v1/records/{id}/embeddings or POST /v1/embed return them)",
     )
@@ -103,6 +116,7 @@ class SearchRequest(BaseModel):
     )
     filter: dict[str, FilterCondition] | None = Field(
         None,
+        max_length=MAX_FILTER_FIELDS,
         description="conditions on payload fields declared filterable at build time, all of "
         "which must hold: a value (equality), {'in': [values]}, or a numeric range "
         "{'gte': 2020, 'lt': 2024}; applied during the search, so k results come back "
@@ -149,7 +163,9 @@ class BatchSearchRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     queries: list[SearchRequest] = Field(
-        min_length=1, description="searches answered in order (at most HCLIP_MAX_BATCH_QUERIES)"
+        min_length=1,
+        max_length=MAX_ITEMS,
+        description="searches answered in order (at most HCLIP_MAX_BATCH_QUERIES)",
     )
 
 
@@ -167,7 +183,9 @@ class EmbedRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     modality: str
-    inputs: list[RawInput] = Field(min_length=1, description="raw inputs of that modality")
+    inputs: list[RawInput] = Field(
+        min_length=1, max_length=MAX_ITEMS, description="raw inputs of that modality"
+    )
 
 
 class EmbedResponse(BaseModel):

@@ -1,5 +1,6 @@
-"""The service's errors, one class per status and error type; app.api.handlers maps them to
-the error envelope {"error", "error_type", "request_id"}.
+"""The service's errors, one class per status and error type, and the one maker of the error
+envelope {"error", "error_type", "request_id"} (`envelope`): the routes' exception handlers,
+the middlewares' early answers and the batch route's per-query errors all use it.
 
 One status per class of mistake:
 - 422 `invalid_input`: a value fails validation (the body's shape or types, an unknown
@@ -20,19 +21,36 @@ One status per class of mistake:
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class ApiError(Exception):
     status = 400
     error_type = "bad_request"
     retry_after_s: float | None = None
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, status: int | None = None, error_type: str | None = None):
         super().__init__(message)
         self.message = message
+        if status is not None:  # an error of the framework's (404, 405), kept as it came
+            self.status = status
+        if error_type is not None:
+            self.error_type = error_type
+
+
+def envelope(exc: ApiError, request_id: str | None) -> dict[str, Any]:
+    """The body of every error response."""
+    return {"error": exc.message, "error_type": exc.error_type, "request_id": request_id}
 
 
 class InvalidInput(ApiError):
     status, error_type = 422, "invalid_input"
+
+
+class BadBody(ApiError):
+    """A body that is not JSON or does not fit the request's schema."""
+
+    status, error_type = 422, "validation_error"
 
 
 def out_of_range(field: str, value: int, low: int, high: int, setting: str) -> InvalidInput:
@@ -85,6 +103,15 @@ class BackendDown(ApiError):
 
 class VersionRejected(ApiError):
     status, error_type = 409, "version_rejected"
+
+
+class InternalError(ApiError):
+    """A bug: no detail of it in the answer, only the request id to find it in the log."""
+
+    status, error_type = 500, "internal_error"
+
+    def __init__(self) -> None:
+        super().__init__("internal error")
 
 
 def retry_after(seconds: float) -> str:

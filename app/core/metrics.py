@@ -108,9 +108,10 @@ class Metrics:
         return generate_latest(self.registry)
 
     @staticmethod
-    def worker_exited() -> None:
-        """Drop this worker's live gauges from the shared directory (a clean exit)."""
+    def worker_exited(pid: int | None = None) -> None:
+        """Drop a worker's live gauges from the shared directory: this one's at a clean exit,
+        or a dead sibling's (app.services.workers)."""
         if multiprocess():
             from prometheus_client import multiprocess as mp
 
-            mp.mark_process_dead(os.getpid())
+            mp.mark_process_dead(os.getpid() if pid is None else pid)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import secrets
 from functools import lru_cache
 from pathlib import Path
@@ -13,11 +12,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from indexer.store.checked import default_directory
 from models.limits import InputLimits
-
-
-def machine_cores() -> int:
-    """The cores this process may run on (its affinity: a container's CPU set)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+from models.machine import usable_cores
 
 
 class Settings(BaseSettings):
@@ -38,10 +33,15 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(
-        default_factory=machine_cores,
+        default_factory=usable_cores,
         ge=1,
         le=256,
         description="`hclip serve` processes (default: one per core)",
+    )
+    workers_dir: Path | None = Field(
+        None,
+        description="set by `hclip serve` for its workers: where each says which version it "
+        "serves (app.services.workers), so that /readyz waits for all of them",
     )
     instance: str = Field(
         "",
@@ -56,13 +56,6 @@ class Settings(BaseSettings):
     max_batch_queries: int = Field(64, ge=1, description="searches in one /v1/search/batch")
     max_effort: int = Field(
         4096, ge=1, description="the largest ef_search or nprobe a request may ask for"
-    )
-    max_json_depth: int = Field(32, ge=2, description="nesting of [ and { in a request body")
-    max_json_members: int = Field(
-        10_000, ge=16, description="object members in a request body, all objects together"
-    )
-    max_json_values: int = Field(
-        1_000_000, ge=1024, description="array items and object members in a request body"
     )
     body_timeout_s: float = Field(
         30.0,
@@ -129,53 +122,30 @@ class Settings(BaseSettings):
     milvus_timeout_s: float = Field(
         5.0, gt=0, description="each call to Milvus: past it the request answers 503"
     )
-    kernels_dir: Path = Field(
-        # beside the checked versions; indexer.search.crossover (torch, FAISS) is not imported
-        # by settings, which `hclip serve --help` reads
-        default_factory=lambda: default_directory().parent / "kernels",
-        description="where this machine keeps the batch size from which exact search runs "
-        "matrix products, measured once (default: $XDG_CACHE_HOME/hclip/kernels)",
-    )
-    exact_products_from: int | None = Field(
-        None,
-        ge=1,
-        description="exact search runs matrix products from this many queries in a batch and "
-        "the blocked scan below (default: measured once per machine, indexer.search.crossover)",
-    )
-
     batch_max: int = Field(64, ge=1, description="queries gathered into one FAISS call")
     batch_wait_ms: float = Field(0.0, ge=0, description="extra wait for a batch to fill")
-    faiss_threads: int = Field(
-        1,
+    faiss_threads: int | None = Field(
+        None,
         ge=1,
-        description="FAISS's OpenMP threads per search: waking them under the passive wait "
-        "policy a server runs with costs a lone query more than they save; a lone exact query "
-        "spreads over idle cores by itself (app.services.idle_cores)",
+        description="FAISS's threads per search (default: the cores over the workers, so that "
+        "N workers' searches together use every core once)",
     )
     torch_threads: int | None = Field(
         None, ge=1, description="threads per encode (default: the cores over the workers)"
     )
-    search_on_loop: Literal["auto", "on", "off"] = Field(
-        "auto",
-        description="run searches on each worker's event loop instead of its search thread. "
-        "auto: on when the workers are at least as many as the cores, so that each worker "
-        "has about one core and a hop to a thread only costs",
-    )
 
     @model_validator(mode="after")
     def _threads_from_cores(self) -> Settings:
-        share = max(1, machine_cores() // self.workers)  # each worker's share of the cores
+        share = max(1, usable_cores() // self.workers)  # each worker's share of the cores
+        if self.faiss_threads is None:
+            self.faiss_threads = share
         if self.torch_threads is None:
             self.torch_threads = share
         return self
 
-    def searches_on_loop(self) -> bool:
-        on = self.search_on_loop
-        return on == "on" or (on == "auto" and self.workers >= machine_cores())
-
     @property
     def search_threads(self) -> int:
-        return self.faiss_threads
+        return self.faiss_threads or 1
 
     @property
     def encode_threads(self) -> int:

@@ -98,8 +98,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_serve:
         return 0 if results else 1
     from app.core.settings import Settings
-    from app.server.serve import serve
-    from app.server.supervisor import PortInUse
+    from app.server.serve import PortInUse, serve
 
     page = f"http://{args.host}:{args.port}/"
     settings = Settings(root=root, media_dir=data, host=args.host, port=args.port, workers=1)

@@ -19,7 +19,8 @@ from app.demo.data import DATASETS, build_media, make_records, media_spec, write
 from app.demo.recipe import HEADS, Recipe
 from app.demo.report import markdown, plot
 from app.demo.runner import run_heads
-from indexer.build.jobs import JobOptions, build
+from indexer.build.build_job import build
+from indexer.build.options import JobOptions
 from indexer.store import artifact
 
 log = logging.getLogger(__name__)

@@ -1,10 +1,13 @@
 """`hclip serve --root ROOT [--host H] [--port P] [--workers N]`: the service under uvicorn.
 
-With --workers N, N worker processes serve one port, each on a listening socket of its own
-(app/supervisor.py says why); each opens the published version itself (memory-mapped: the
-pages are shared through the page cache, not copied), with its own batchers and its own poller,
-so each swaps versions by itself. Settings reach the workers through the environment, as HCLIP_*
-variables.
+With --workers N, uvicorn's own process manager runs N worker processes on one listening
+socket and starts a new one when a worker dies. Each worker opens the published version itself
+(memory-mapped: the pages are shared through the page cache, not copied), with its own batchers
+and its own poller, so each swaps versions by itself; each accepts connections only once its
+version is loaded and warmed (uvicorn listens after the app's start-up), and /readyz answers 200
+once every worker serves (app.services.workers). Settings reach the workers through the
+environment, as HCLIP_* variables; /metrics adds up every worker's figures
+(PROMETHEUS_MULTIPROC_DIR).
 """
 
 from __future__ import annotations
@@ -13,16 +16,24 @@ import argparse
 import logging
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.core.logs import dict_config
 from app.core.settings import Settings
-from app.server import supervisor
 
 log = logging.getLogger(__name__)
+# uvicorn restarts a worker that does not answer its health check in this time: a worker
+# checking a large version's files holds its interpreter busy for a while.
+HEALTHCHECK_S = 60
+
+
+class PortInUse(OSError):
+    pass
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,15 +53,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def check_port(host: str, port: int) -> None:
+    """PortInUse now, before anything is loaded, when the address cannot be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise PortInUse(f"cannot bind {host}:{port}: {exc.strerror}") from None
+
+
 def serve(settings: Settings, on_listening: Callable[[], None] | None = None) -> None:
     """Serve until stopped. `on_listening` (one process only) is called once the server
     listens, its version loaded: when a user can open the page."""
     import uvicorn
 
+    check_port(settings.host, settings.port)
     if settings.workers == 1:
         from app.main import create_app
-
-        supervisor.reserve(settings.host, settings.port).close()  # a taken port: PortInUse now
 
         class Server(uvicorn.Server):
             async def startup(self, sockets: Any = None) -> None:
@@ -62,29 +83,32 @@ def serve(settings: Settings, on_listening: Callable[[], None] | None = None) ->
             create_app(settings),
             host=settings.host,
             port=settings.port,
-            log_level="info",
+            log_config=dict_config(),
             access_log=False,
         )
         Server(config).run()
         return
-    # Workers read their settings from the environment, forked or spawned.
-    os.environ.update(settings.as_environment())
     metrics_dir = Path(tempfile.mkdtemp(prefix="hclip-metrics-"))
-    # Before anything imports prometheus_client, which reads it then (app.core.metrics): the
-    # workers are forked from this process once it has imported the app.
+    workers_dir = Path(tempfile.mkdtemp(prefix="hclip-workers-"))
+    # Workers are fresh interpreters: their settings come from the environment.
+    os.environ.update(settings.as_environment())
+    os.environ["HCLIP_WORKERS_DIR"] = str(workers_dir)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
     try:
-        supervisor.run(settings.host, settings.port, settings.workers, worker_gone)
+        uvicorn.run(
+            "app.main:create_app",
+            factory=True,
+            host=settings.host,
+            port=settings.port,
+            workers=settings.workers,
+            log_config=dict_config(),
+            access_log=False,
+            timeout_worker_healthcheck=HEALTHCHECK_S,
+        )
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
-
-
-def worker_gone(pid: int) -> None:
-    """A worker process ended: its live gauges leave /metrics (its counters stay summed)."""
-    from prometheus_client import multiprocess
-
-    multiprocess.mark_process_dead(pid)
+        shutil.rmtree(workers_dir, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         serve(settings)
-    except supervisor.PortInUse as exc:
+    except PortInUse as exc:
         print(f"hclip serve: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -54,11 +54,9 @@ class MicroBatcher(Generic[T, R]):
         on_batch: Callable[[int], None] | None = None,
         max_pending: int = 1024,
         name: str = "batcher",
-        inline_if: Callable[[list[T]], bool] | None = None,
     ):
         self.run_batch = run_batch
         self.executor = executor
-        self.inline_if = inline_if  # a batch it accepts runs on the event loop, not the executor
         self.max_batch = max_batch
         self.wait_s = wait_s
         self.on_batch = on_batch
@@ -86,7 +84,7 @@ class MicroBatcher(Generic[T, R]):
         return await future  # cancelling the awaiting task cancels the future: item dropped
 
     async def _call(self, items: list[T]) -> Sequence[R | Exception]:
-        if self.executor is None or (self.inline_if is not None and self.inline_if(items)):
+        if self.executor is None:
             return self.run_batch(items)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.run_batch, items)
@@ -174,17 +172,10 @@ def search_batcher(
     on_batch: Callable[[int], None],
     max_pending: int = 1024,
     mask_of: Callable[[Any, dict[str, Any]], Any] | None = None,
-    on_loop: bool = False,
-    parts_for: Callable[[], int] = lambda: 1,
-    alone: Callable[[], bool] = lambda: False,
 ) -> MicroBatcher[SearchItem, SearchResult]:
     """A batch's query factors come from the head in one call; its plain queries go to the
     view together, a query with a filter or its own effort on its own, its filter evaluated
-    here, where the batch runs (a pass over the field columns): on the search thread, or on the
-    event loop when `on_loop` (a worker with about a core of its own, where a hop to a thread
-    only costs). A lone query scans on `parts_for()` threads (app.services.idle_cores), and
-    when it is `alone()` in the process it runs on the event loop too, which has nothing else
-    to do: a hop to a thread and back wakes a core, which costs a lone query most on a VM."""
+    here, on the search thread (a pass over the field columns)."""
 
     def run(items: list[SearchItem]) -> list[SearchResult | Exception]:
         xq = query_factors(head, view, items)  # (B, D)
@@ -199,8 +190,7 @@ def search_batcher(
         plain = [i for i in plain if finite[i]]
         if plain:
             k_max = max(items[i].k for i in plain)
-            parts = parts_for() if len(plain) == 1 else 1
-            scores, rows = view.search(xq[plain], k_max, parts=parts)
+            scores, rows = view.search(xq[plain], k_max)
             for j, i in enumerate(plain):
                 out[i] = (scores[j, : items[i].k], rows[j, : items[i].k])
         for i, it in enumerate(items):
@@ -214,14 +204,9 @@ def search_batcher(
             out[i] = (scores[0], rows[0])
         return out
 
-    def inline(items: list[SearchItem]) -> bool:
-        it = items[0]
-        return on_loop or (len(items) == 1 and it.filter is None and it.effort is None and alone())
-
     return MicroBatcher(
-        run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}",
-        inline_if=inline,
-    )  # fmt: skip
+        run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}"
+    )
 
 
 def encode_batcher(

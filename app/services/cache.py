@@ -19,9 +19,10 @@ import contextlib
 import hmac
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+
+from cachetools import TLRUCache
 
 from app.core.metrics import Metrics
 
@@ -39,30 +40,24 @@ class Cache(Protocol):
 
 
 class MemoryCache:
-    """An LRU with per-entry expiry; only touched from the event loop, so no lock."""
+    """cachetools' LRU with a per-entry expiry (TLRUCache); only touched from the event loop,
+    so no lock."""
 
     backend = "memory"
 
     def __init__(self, max_items: int):
         self.max_items = max_items
-        self._data: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        # an entry is (its time to live, its bytes): it expires that long after it was set
+        self._data: TLRUCache[str, tuple[int, bytes]] = TLRUCache(
+            max_items, ttu=lambda _key, entry, now: now + entry[0], timer=time.monotonic
+        )
 
     async def get(self, key: str) -> bytes | None:
-        item = self._data.get(key)
-        if item is None:
-            return None
-        expires, value = item
-        if expires < time.monotonic():
-            del self._data[key]
-            return None
-        self._data.move_to_end(key)
-        return value
+        entry = self._data.get(key)
+        return None if entry is None else entry[1]
 
     async def set(self, key: str, value: bytes, ttl_s: int) -> None:
-        self._data[key] = (time.monotonic() + ttl_s, value)
-        self._data.move_to_end(key)
-        while len(self._data) > self.max_items:
-            self._data.popitem(last=False)
+        self._data[key] = (ttl_s, value)
 
     async def close(self) -> None:
         self._data.clear()

@@ -11,7 +11,6 @@ import asyncio
 import logging
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ import torch
 
 from app.core.errors import VersionRejected
 from app.core.metrics import Metrics
-from app.core.settings import Settings, machine_cores
+from app.core.settings import Settings
 from app.services.batching import (
     MicroBatcher,
     SearchItem,
@@ -30,9 +29,8 @@ from app.services.batching import (
     query_factors,
     search_batcher,
 )
-from app.services.idle_cores import SearchLoad
-from app.services.threads import WorkerPools, search_thread_setup
-from indexer.search import crossover
+from app.services.threads import WorkerPools
+from app.services.workers import WorkerBoard
 from indexer.store import artifact
 from indexer.store.checked import CheckedVersions, signature
 from indexer.store.milvus_served import MilvusVersion
@@ -175,7 +173,7 @@ class VersionManager:
         settings: Settings,
         metrics: Metrics,
         pools: WorkerPools,
-        load: SearchLoad | None = None,
+        board: WorkerBoard | None = None,
     ):
         self.settings = settings
         self.root = Path(settings.root)
@@ -187,10 +185,8 @@ class VersionManager:
         self._lock = asyncio.Lock()
         self._loaded = asyncio.Event()  # set once a version serves
         self._told_empty = -math.inf  # when the root was last said to hold no version
-        self._search_on_loop = settings.searches_on_loop()
-        self.load = load or SearchLoad(machine_cores())
         self.checked = CheckedVersions(settings.checked_dir)
-        self._products_from: dict[int, int] = {}  # d -> indexer.search.crossover's choice
+        self.board = board or WorkerBoard(None, 1)  # tells the other workers what this serves
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers,
@@ -204,9 +200,6 @@ class VersionManager:
         else:
             index = open_checked(vdir, s.verify_on_load, self.checked)
         model = self._model_for(index)
-        for view in index.views.values():
-            if view.vectors is not None:
-                view.products_from = self._crossover(view.dim)
         serving = self._serving(index, model)
         t0 = time.perf_counter()
         try:
@@ -215,22 +208,6 @@ class VersionManager:
             raise VersionRejected(f"version {version_id} cannot be warmed up: {exc}") from None
         log.debug("version %s warmed up in %.3f s", version_id, time.perf_counter() - t0)
         return serving
-
-    def _crossover(self, dim: int) -> int:
-        """The batch size from which exact search runs products: the setting, or the choice
-        measured once per machine (indexer.search.crossover), on a thread set up as the one
-        searches run on (the event loop's runs torch on one thread)."""
-        s = self.settings
-        if s.exact_products_from is not None:
-            return s.exact_products_from
-        if dim not in self._products_from:
-            threads = 1 if self._search_on_loop else self.pools.torch_threads
-            with ThreadPoolExecutor(
-                1, initializer=search_thread_setup, initargs=(s.search_threads, threads)
-            ) as pool:
-                found = pool.submit(crossover.products_from, dim, threads, s.kernels_dir)
-                self._products_from[dim] = found.result()
-        return self._products_from[dim]
 
     def _model_for(self, index: Served) -> MultimodalModel:
         """The model that built `index`, loaded once and shared by its later versions."""
@@ -256,13 +233,9 @@ class VersionManager:
         serving = ServingVersion(index, model)
         wait_s = s.batch_wait_ms / 1000.0
         for name, view in index.views.items():
-            # A remote view's search waits on the network: on the search thread, never inline.
-            on_loop = self._search_on_loop and not view.remote
-            alone = (lambda: False) if view.remote else self.load.alone
             serving.searchers[name] = search_batcher(
                 view, model.head, self.pools.search, s.batch_max, wait_s,
                 self.metrics.batch_size.observe, s.max_pending, index.mask_of,
-                on_loop, self.load.lone_parts, alone,
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:
@@ -342,6 +315,7 @@ class VersionManager:
             self._loaded.set()
             self._forget_rejections()  # a version CURRENT no longer names is not tried again
             self.metrics.set_version(version_id)
+            self.board.serving(version_id)
             self.metrics.reloads.labels(outcome="loaded").inc()
             log.info(
                 "serving version %s (was %s), opened in %.3f s",

@@ -22,6 +22,7 @@ from indexer.ingest.checks import Checked, ChunkChecker
 from indexer.ingest.sources import CHUNK_ROWS, Chunk, RecordFiles
 from indexer.ingest.validate import Rows
 from models.encoders import decoded_bytes
+from models.machine import usable_cores
 from models.model import MultimodalModel
 from models.progress import Progress
 
@@ -29,10 +30,6 @@ AHEAD_PER_READER = 2  # chunks in flight per reader process
 # Decoded inputs per chunk: images and clips of real towers are ~1 MB a record, so a chunk of
 # CHUNK_ROWS of them would be GBs in each reader and again in this process.
 CHUNK_BYTES = 64 * 1024 * 1024
-
-
-def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def chunk_rows_for(model: MultimodalModel, batch_size: int, chunk_rows: int) -> int:
@@ -102,9 +99,9 @@ def encode_local(
     and `batch_size` per encoder call; returns the rows written. The records left out join
     `admission.rejected`. `readers`: reader processes (default: from the cores; 0 checks here).
     torch keeps the cores the readers leave, unless its thread count was set (OMP_NUM_THREADS)."""
-    n_readers = default_readers(cores()) if readers is None else readers
+    n_readers = default_readers(usable_cores()) if readers is None else readers
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, cores() - n_readers))
+        torch.set_num_threads(max(1, usable_cores() - n_readers))
     chunks: Generator[CheckedChunk, None, None] = ahead(
         _Check(checker), files.chunks(chunk_rows), n_readers, AHEAD_PER_READER * n_readers
     )

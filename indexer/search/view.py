@@ -14,6 +14,7 @@ from indexer.search import ann, exact
 from indexer.search.specs import IndexSpec
 
 EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are exact
+SUBSET_FRACTION = 0.25  # ... and so are those that keep less than this share of the rows
 
 
 class Searchable(Protocol):
@@ -26,7 +27,6 @@ class Searchable(Protocol):
     spec: IndexSpec
     dim: int
     vectors: np.ndarray | None
-    products_from: int
     remote: bool  # its searches wait on the network: never on an event loop
 
     @property
@@ -35,9 +35,8 @@ class Searchable(Protocol):
     def effort_used(self, effort: int | None, k: int) -> int | None: ...
 
     def search(
-        self, xq: np.ndarray, k: int, allowed: Any = None, effort: int | None = None,
-        parts: int = 1,
-    ) -> tuple[np.ndarray, np.ndarray]: ...  # fmt: skip
+        self, xq: np.ndarray, k: int, allowed: Any = None, effort: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 @dataclass
@@ -58,8 +57,6 @@ class View:
     width: int | None = None
     # approximate: position -> exact vectors, recomputed from the stored embeddings
     exact_vectors: Callable[[np.ndarray], np.ndarray] | None = None
-    # flat: the batch size from which exact search runs products (indexer.search.crossover)
-    products_from: int = exact.SMALL_BATCH
     remote: bool = False
 
     @property
@@ -81,17 +78,15 @@ class View:
         k: int,
         allowed: np.ndarray | None = None,
         effort: int | None = None,
-        parts: int = 1,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, record rows), both (nq, k'); k' = min(k, view size, allowed positions).
         Scores are exact inner products for every index kind; rows of -1 mark missing results
         (IVF). `allowed` (count,) bool restricts the search to those positions (a filter);
-        `effort` overrides an approximate index's ef_search or nprobe; `parts` is the threads a
-        lone exact query may scan on (indexer.search.exact)."""
+        `effort` overrides an approximate index's ef_search or nprobe."""
         xq = np.ascontiguousarray(xq, dtype=np.float32)
         if self.vectors is not None:
             if allowed is None:
-                scores, pos = exact.search(xq, self.vectors, k, parts, self.products_from)
+                scores, pos = exact.search(xq, self.vectors, k)
             else:
                 scores, pos = exact.search_allowed(xq, self.vectors, k, allowed)
         else:
@@ -107,7 +102,7 @@ class View:
         k = min(k, n_allowed)
         if k == 0:
             return np.zeros((len(xq), 0), np.float32), np.zeros((len(xq), 0), np.int64)
-        few = n_allowed <= EXACT_FILTERED_ROWS or n_allowed <= exact.SUBSET_FRACTION * self.count
+        few = n_allowed <= EXACT_FILTERED_ROWS or n_allowed <= SUBSET_FRACTION * self.count
         if allowed is not None and self.exact_vectors is not None and few:
             # A graph or list search under a selective filter runs out of allowed neighbours:
             # few allowed rows are searched exactly, from vectors recomputed for them.

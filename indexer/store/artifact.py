@@ -4,7 +4,7 @@ publication.
     ROOT/CURRENT                    id of the published version, replaced atomically
     ROOT/versions/<id>/             complete before CURRENT names it, never modified afterwards
     ROOT/.staging/<id>/             a version being written; removed by the next run if it died
-    ROOT/.lock                      held (flock) by the one build, update or gc running
+    ROOT/.lock                      held (filelock: flock) by the one build, update or gc running
 
 A version directory is renamed into versions/ only after every file in it is fsynced, and
 CURRENT is replaced only after that rename is durable, so a process killed at any point leaves
@@ -13,8 +13,6 @@ CURRENT and every published version untouched.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import logging
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+from filelock import FileLock, Timeout
 
 from indexer.store.arrays import start_writeback
 
@@ -143,21 +142,20 @@ def start_writeback_tree(path: Path) -> None:
 
 @contextmanager
 def root_lock(root: Path) -> Iterator[None]:
-    """Exclusive writer lock on ROOT; the kernel releases it when the holder dies (SIGKILL too)."""
+    """Exclusive writer lock on ROOT, taken at once or not at all; an flock underneath, which
+    the kernel releases when the holder dies (SIGKILL too)."""
     root.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = FileLock(root / LOCK, timeout=0)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
-                raise ArtifactError(
-                    f"{root}: another build, update or gc is running (it holds {root / LOCK})"
-                ) from None
-            raise
+        lock.acquire()
+    except Timeout:
+        raise ArtifactError(
+            f"{root}: another build, update or gc is running (it holds {root / LOCK})"
+        ) from None
+    try:
         yield
     finally:
-        os.close(fd)
+        lock.release()
 
 
 def clean_staging(root: Path) -> list[str]:

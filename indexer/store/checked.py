@@ -11,13 +11,13 @@ so that one of them reads the files and the others find its marker.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 from indexer.store import artifact
 
@@ -66,21 +66,12 @@ class CheckedVersions:
     def _marker(self, vdir: Path, sig: str) -> Path:
         return self.dir / f"{vdir.name}.{sig}"
 
-    @contextlib.contextmanager
-    def _locked(self, vdir: Path) -> Iterator[None]:
-        with open(self.dir / f"{vdir.name}.lock", "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
-
     def check(self, vdir: Path, problems_of: Callable[[Path], list[str]]) -> list[str]:
         """`problems_of(vdir)` unless this machine saw the same files pass before; the
         problems found (none: remembered as passed)."""
         if not self._ready():
             return problems_of(vdir)
-        with self._locked(vdir):
+        with FileLock(self.dir / f"{vdir.name}.lock"):  # waits for a worker checking it
             sig = signature(vdir)
             if self._marker(vdir, sig).exists():
                 return []

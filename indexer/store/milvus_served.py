@@ -156,7 +156,6 @@ class MilvusView:
     (scores and record rows, best first; a filter is a Milvus expression from mask_of)."""
 
     vectors: np.ndarray | None = None  # nothing is memory-mapped here
-    products_from: int = 0
     remote: bool = True
 
     def __init__(
@@ -189,7 +188,6 @@ class MilvusView:
         k: int,
         allowed: str | None = None,
         effort: int | None = None,
-        parts: int = 1,
     ) -> tuple[np.ndarray, np.ndarray]:
         """(scores, record rows), (nq, k'); rows of -1 pad queries that found fewer."""
         k = min(k, self.count)

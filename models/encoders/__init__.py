@@ -79,7 +79,7 @@ def decoded_bytes(cfg: ModalityConfig) -> int | None:
     if cfg.kind == "image":
         return 4 * cfg.channels * cfg.image_size**2
     if cfg.kind == "transformers":
-        from models.encoders.pretrained import pixels_bytes
+        from models.encoders.tower_inputs import pixels_bytes
 
         return pixels_bytes(cfg)
     return None

@@ -42,7 +42,7 @@ class TextBackbone:
     @torch.no_grad()
     def embed(self, sentences: list[str]) -> torch.Tensor:
         """(len(sentences), 384) unit-length sentence embeddings."""
-        from models.encoders.pretrained import load_tower
+        from models.encoders.towers import load_tower
 
         with self._lock:
             missing = list(dict.fromkeys(s for s in sentences if s not in self._cache))

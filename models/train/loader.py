@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from models.config import ModelConfig
 from models.encoders import Featurizer, featurizer
-from models.encoders.pretrained import identity
+from models.encoders.tower_files import identity
 from models.records import RecordError
 from models.train.data import TupleSource
 from models.train.feature_cache import (

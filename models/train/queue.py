@@ -11,7 +11,8 @@ The queued embeddings come from a momentum encoder (an exponential moving averag
 encoders, `train.queue_momentum`), as in MoCo: entries made by the online encoders themselves
 differ from the batch's by the encoders' drift between steps, and the model learns to tell
 queued candidates from fresh ones by that drift alone (measured: the loss stayed at
-ln(batch + queue), the softmax never left uniform). models/training.py keeps the momentum copy.
+ln(batch + queue), the softmax never left uniform). models/train/trainer.py keeps the momentum
+copy.
 """
 
 from __future__ import annotations

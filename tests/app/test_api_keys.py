@@ -1,6 +1,6 @@
-"""Optional API keys for reads: absent, wrong and right keys on every read route (the fast path
-and the routed one), /metrics with a key of its own, health and the page open, the client
-sending its key; a keys file that cannot be read stops the start."""
+"""Optional API keys for reads: absent, wrong, doubled and right keys on every read route, the
+key checked before the body is read, /metrics with a key of its own, health and the page open,
+the client sending its key; a keys file that cannot be read stops the start."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ JSON = {"content-type": "application/json"}
 def reads(rows: list[dict]) -> list[tuple[str, str, dict | None]]:
     q = {"query": {"a": rows[0]["a"]}, "k": 3}
     return [
-        ("POST", "/v1/search", q),  # the fast path
+        ("POST", "/v1/search", q),
         ("POST", "/v1/search/batch", {"queries": [q]}),
         ("POST", "/v1/embed", {"modality": "a", "inputs": [rows[0]["a"]]}),
         ("GET", f"/v1/records/{rows[0]['id']}", None),
@@ -56,6 +56,25 @@ def test_read_routes_need_a_key_and_health_stays_open(vector_index, tmp_path: Pa
         with Client(url) as hclip, pytest.raises(HclipError) as refused:
             hclip.search({"a": rows[0]["a"]}, k=3)
         assert refused.value.status == 401
+
+
+def test_every_route_reads_the_authorization_header_the_same_way(vector_index) -> None:
+    """Two Authorization headers (in either order) or a malformed one present no key, on
+    every read route alike; a body too large or not JSON is never read without a key."""
+    root, _, rows = vector_index
+    with running(settings_for(root, api_keys="good")) as client:
+        for method, path, body in reads(rows):
+            doubled = [["Bearer wrong", "Bearer good"], ["Bearer good", "Bearer wrong"]]
+            malformed = [["Bearer good", "Bearer good"], ["Bearer"], ["good"], ["Basic good"]]
+            for pair in doubled + malformed:
+                headers = [("authorization", h) for h in pair]
+                r = client.request(method, path, json=body, headers=headers)
+                assert r.status_code == 401, (path, pair, r.text)
+            r = client.request(method, path, json=body, headers={"authorization": "bearer good"})
+            assert r.status_code == 200, (path, r.text)
+        for path in ("/v1/search", "/v1/search/batch", "/v1/embed"):
+            r = client.post(path, content=b"{not json", headers=JSON)
+            assert r.status_code == 401, (path, r.text)  # refused before its body is parsed
 
 
 def test_without_keys_reads_are_open(vector_index) -> None:

@@ -115,63 +115,49 @@ def test_a_query_whose_factor_overflows_fails_alone() -> None:
     assert ok[1].tolist() == [7]
 
 
-def test_on_loop_runs_every_batch_on_the_event_loop_with_the_same_results() -> None:
+def test_searches_run_on_the_search_thread_batched_with_exact_results() -> None:
     import threading
 
     rng = np.random.default_rng(2)
     xb = rng.standard_normal((400, 8)).astype(np.float32)
     view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(400) * 3, 8, vectors=xb)
     xq = rng.standard_normal((10, 8)).astype(np.float32)
+    threads: list[str] = []
+    sizes: list[int] = []
 
-    def run(on_loop: bool) -> tuple[list, list[str], list[int]]:
-        threads: list[str] = []
-        sizes: list[int] = []
+    async def main() -> list:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
+        b = search_batcher(view, unit_head(8), pool, 64, 0.0, sizes.append)
+        batch = b.run_batch
 
-        async def main() -> list:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
-            b = search_batcher(view, unit_head(8), pool, 64, 0.0, sizes.append, on_loop=on_loop)
-            batch = b.run_batch
+        def recorded(items: list) -> list:
+            threads.append(threading.current_thread().name)
+            return batch(items)
 
-            def recorded(items: list) -> list:
-                threads.append(threading.current_thread().name)
-                return batch(items)
+        b.run_batch = recorded
+        lone = await b.submit(item(xq[0], 4))
+        many = await asyncio.gather(*(b.submit(item(xq[i], 4)) for i in range(1, 10)))
+        return [lone, *many]
 
-            b.run_batch = recorded
-            lone = await b.submit(item(xq[0], 4))
-            many = await asyncio.gather(*(b.submit(item(xq[i], 4)) for i in range(1, 10)))
-            return [lone, *many]
-
-        return asyncio.run(main()), threads, sizes
-
-    got, threads, sizes = run(on_loop=True)
-    assert set(threads) == {threading.main_thread().name}
-    assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) < 10  # still batched
+    got = asyncio.run(main())
+    assert threads and all(t.startswith("pool") for t in threads)
+    assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) < 10  # batched
     for i, (scores, rows) in enumerate(got):
         order = np.argsort(-(xb @ xq[i]))[:4]
         assert rows.tolist() == (order * 3).tolist()
         assert np.allclose(scores, (xb @ xq[i])[order], atol=1e-5)
-    off, threads, _ = run(on_loop=False)
-    assert threads and all(t.startswith("pool") for t in threads)
-    assert [r.tolist() for _, r in off] == [r.tolist() for _, r in got]
 
 
-@pytest.mark.parametrize(
-    ("mode", "one_per_core", "expected"),
-    [("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)],
-)
-def test_searches_go_on_the_loop_when_each_worker_has_a_core(
-    tmp_path, mode: str, one_per_core: bool, expected: bool
-) -> None:
-    import os
-
+def test_thread_counts_default_to_each_workers_share_of_the_cores(tmp_path) -> None:
     from app.core.settings import Settings
+    from models.machine import usable_cores
 
-    cores = len(os.sched_getaffinity(0))
-    if not one_per_core and cores == 1:
-        pytest.skip("one core: a single worker has it to itself")
-    workers = cores if one_per_core else 1
-    settings = Settings(root=tmp_path, workers=workers, search_on_loop=mode)
-    assert settings.searches_on_loop() is expected
+    cores = usable_cores()
+    for workers in (1, 2, cores, 2 * cores):
+        s = Settings(root=tmp_path, workers=workers)
+        share = max(1, cores // workers)
+        assert s.search_threads == s.encode_threads == share
+    assert Settings(root=tmp_path, workers=1, faiss_threads=3).search_threads == 3
 
 
 def test_the_server_holds_numpys_blas_to_the_search_thread_count(tmp_path) -> None:
@@ -190,30 +176,3 @@ def test_the_server_holds_numpys_blas_to_the_search_thread_count(tmp_path) -> No
 
     with running(settings_for(tmp_path / "root", faiss_threads=1), wait_ready=False):
         assert pthreads_blas() and set(pthreads_blas()) == {1}, pthreads_blas()
-
-
-def test_a_lone_search_spreads_over_the_cores_no_other_search_uses() -> None:
-    """Two workers' counts in shared memory (as `hclip serve` makes them): a search alone on
-    the machine may use every core, one beside another search one fewer, never below one."""
-    from app.services import idle_cores
-
-    shared = idle_cores.make_shared(2)
-    idle_cores.attach(shared, 0)
-    try:
-        mine = idle_cores.SearchLoad(cores=4)
-        idle_cores.attach(shared, 1)
-        other = idle_cores.SearchLoad(cores=4)
-        mine.begin()
-        assert mine.lone_parts() == 4
-        other.begin()
-        assert mine.lone_parts() == other.lone_parts() == 3
-        for _ in range(5):
-            other.begin()
-        assert mine.lone_parts() == 1
-        for _ in range(6):
-            other.end()
-        mine.end()
-        assert list(shared) == [0, 0]
-    finally:
-        idle_cores.attach(idle_cores.make_shared(1), 0)
-        idle_cores._shared = None

@@ -164,8 +164,8 @@ LIMITED = {
         "min_sample_rate",
     ),
     "text length": ({"query": {"text": "seven " * 2000}}, 422, "max_text_chars"),
-    "json depth": ("[" * 100 + "]" * 100, 422, "HCLIP_MAX_JSON_DEPTH"),
-    "number magnitude": ('{"query": {"vec": [1e400, 0, 0]}}', 422, "not valid JSON"),
+    "json depth": ("[" * 100_000 + "]" * 100_000, 422, "recursion limit exceeded"),
+    "number magnitude": ('{"query": {"vec": [1e400, 0, 0]}}', 422, "query.vec"),
     "lone surrogate": ('{"query": {"text": "seven \\ud800"}}', 422, "not valid JSON"),
 }
 

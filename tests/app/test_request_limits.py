@@ -51,7 +51,7 @@ def test_a_body_of_600000_keys_is_refused_while_a_search_is_answered(vector_inde
         + b",".join(b'"k%d": 1' % i for i in range(600_000))
         + b"}}"
     )
-    assert len(huge) < 8 * 1024 * 1024  # under the body limit: the members' limit refuses it
+    assert len(huge) < 8 * 1024 * 1024  # under the body limit: the schema's bound refuses it
     with running(settings_for(root)) as client:
         search = orjson.dumps({"query": {"a": rows[2]["a"]}, "k": 3})
         assert client.post("/v1/search", content=search, headers=JSON).status_code == 200
@@ -60,7 +60,10 @@ def test_a_body_of_600000_keys_is_refused_while_a_search_is_answered(vector_inde
         def send_huge(path: str) -> None:
             answers[path] = client.post(path, content=huge, headers=JSON)
 
-        for path in ("/v1/search", "/v1/embed"):
+        for path, named in (
+            ("/v1/search", "filter: Dictionary should have at most 64 items"),
+            ("/v1/embed", "filter: Extra inputs are not permitted"),
+        ):
             t = threading.Thread(target=send_huge, args=(path,))
             t.start()
             time.sleep(0.05)  # the huge body is on its way or being refused
@@ -71,7 +74,8 @@ def test_a_body_of_600000_keys_is_refused_while_a_search_is_answered(vector_inde
             assert r.status_code == 200 and took < 1.0, (path, took)
             refused = answers[path]
             assert refused.status_code == 422, (path, refused.text[:300])  # type: ignore[attr-defined]
-            assert "HCLIP_MAX_JSON_MEMBERS" in refused.text  # type: ignore[attr-defined]
+            # refused by the schema where the body is parsed: a bound on filter fields, or none
+            assert named in refused.text  # type: ignore[attr-defined]
 
 
 def raw_exchange(port: int, head: bytes, body: bytes, wait_s: float) -> tuple[bytes, float]:

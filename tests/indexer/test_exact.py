@@ -1,6 +1,6 @@
-"""Exact search (FAISS's scan for a lone query, its blocked scan for a few, torch's products for
-a batch) equals the brute-force reference, on random and on adversarial data, with and without
-a filter."""
+"""Exact search (faiss.knn, and for a filter the allowed rows gathered block by block into
+faiss.ResultHeap) equals the brute-force reference, on random and on adversarial data, with and
+without a filter."""
 
 from __future__ import annotations
 
@@ -9,13 +9,17 @@ import pytest
 
 from indexer.search import exact
 
+BLOCK_ROWS = 16384  # more rows than FAISS's BLAS path takes in one block
 KERNELS = {
-    "scan": exact.scan,
-    "product_topk": exact.product_topk,
-    "blocked_scan": exact.blocked_scan,  # a few queries'
     "search": exact.search,
-    "split_scan": lambda xq, xb, k: exact.split_scan(xq, xb, k, parts=3),  # a lone query's
+    # every row allowed, gathered in blocks of 1,024 rows (GATHER_BYTES set low below)
+    "search_allowed": lambda xq, xb, k: exact.search_allowed(xq, xb, k, np.ones(len(xb), bool)),
 }
+
+
+@pytest.fixture(autouse=True)
+def small_gather_blocks(monkeypatch) -> None:
+    monkeypatch.setattr(exact, "GATHER_BYTES", 1024)
 
 
 def reference(xq: np.ndarray, xb: np.ndarray, k: int) -> np.ndarray:
@@ -25,13 +29,7 @@ def reference(xq: np.ndarray, xb: np.ndarray, k: int) -> np.ndarray:
 
 
 def check(kernel: str, xq: np.ndarray, xb: np.ndarray, k: int) -> None:
-    if kernel == "search":
-        scores, pos = exact.search(xq, xb, k)
-    elif kernel == "split_scan":
-        found = [KERNELS[kernel](q[None], xb, min(k, xb.shape[0])) for q in xq]  # lone queries
-        scores, pos = np.concatenate([f[0] for f in found]), np.concatenate([f[1] for f in found])
-    else:
-        scores, pos = KERNELS[kernel](xq, xb, min(k, xb.shape[0]))
+    scores, pos = KERNELS[kernel](xq, xb, k)
     want = reference(xq, xb, k)
     assert scores.shape == pos.shape == want.shape
     assert np.allclose(scores, want, rtol=1e-5, atol=1e-5), kernel
@@ -56,7 +54,7 @@ def test_random_data(kernel: str, n: int, d: int, nq: int, k: int) -> None:
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_ties_across_blocks(kernel: str) -> None:
     """Many equal scores, spread over several blocks of the blocked kernels."""
-    n = 3 * exact.BLOCK_ROWS + 17
+    n = 3 * BLOCK_ROWS + 17
     xb = np.zeros((n, 4), np.float32)
     xb[::7, 0] = 1.0  # thousands of rows tie for first place
     xb[1::7, 1] = 2.0
@@ -65,9 +63,9 @@ def test_ties_across_blocks(kernel: str) -> None:
 
 
 def test_filtered_search_equals_the_reference_on_the_allowed_rows() -> None:
-    """Few allowed rows are copied out, many masked in place: both equal the reference."""
+    """Few allowed rows fit one gathered block, many take several: both equal the reference."""
     rng = np.random.default_rng(5)
-    xb = rng.standard_normal((3 * exact.BLOCK_ROWS + 5, 8)).astype(np.float32)
+    xb = rng.standard_normal((3 * BLOCK_ROWS + 5, 8)).astype(np.float32)
     xq = rng.standard_normal((4, 8)).astype(np.float32)
     for share in (0.01, 0.6):
         allowed = rng.random(len(xb)) < share

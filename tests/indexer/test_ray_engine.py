@@ -24,7 +24,8 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 
-from indexer.build.jobs import JobOptions, build
+from indexer.build.build_job import build
+from indexer.build.options import JobOptions
 from indexer.build.ray_address import ClusterError, check_reachable, host_port
 from indexer.store import artifact
 from indexer.store.verify import verify

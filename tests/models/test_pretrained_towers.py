@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from models.config import ConfigError, ModalityConfig
-from models.encoders import build_encoder, decode
+from models.encoders import build_encoder, decode, tower_inputs
 from models.encoders import pretrained as pretrained_module
+from models.encoders import towers as tower_module
 from models.errors import PretrainedError
 from models.limits import InputError
 from tests.app.conftest import running, settings_for
@@ -177,9 +178,9 @@ def test_loading_a_tower_draws_nothing_from_the_seeded_rng(towers) -> None:
     (wav2vec 2.0's constructor draws a random vector that loading then overwrites)."""
     cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["w2v"]),
                                     "input": "audio"}, "m")  # fmt: skip
-    pretrained_module._LOADED.clear()
+    tower_module._LOADED.clear()
     torch.manual_seed(0)
-    pretrained_module.load_tower(cfg)
+    tower_module.load_tower(cfg)
     after_a_load = torch.rand(4)
     torch.manual_seed(0)
     assert torch.equal(after_a_load, torch.rand(4))
@@ -241,7 +242,7 @@ def test_a_clip_s_embedding_does_not_depend_on_the_clips_batched_with_it(towers,
     assert torch.allclose(batched[1], alone[0], atol=1e-5)
     assert torch.allclose(batched[0], batched[2], atol=1e-5)
     if layers:
-        padded = enc(pretrained_module.load_tower(cfg).inputs([long, short, long]))
+        padded = enc(tower_module.load_tower(cfg).inputs([long, short, long]))
         assert not torch.allclose(padded[1], alone[0], atol=1e-3)  # what padding would give
         batched.sum().backward()
         assert enc.tower is not None
@@ -266,7 +267,7 @@ def test_audio_is_resampled_without_folding_what_the_target_rate_cannot_hold(tow
     long = wav(440, rate=44100, seconds=3.0)
     clip = decode(data_uri("audio/wav", long), cfg)
     full = np.frombuffer(long[44:], dtype="<i2").astype(np.float32) / 32768
-    whole = pretrained_module.resample(full, 44100, 16000)
+    whole = tower_inputs.resample(full, 44100, 16000)
     assert len(clip) == 16000 and np.allclose(clip.numpy(), whole[:16000], atol=1e-5)
 
 
@@ -388,7 +389,7 @@ def test_the_last_block_trains_and_is_saved(towers, tmp_path, monkeypatch) -> No
 
     trained = load_model(tmp_path / "model")
     enc = trained.encoder("photo")
-    tower = pretrained_module.load_tower(enc.cfg).model
+    tower = tower_module.load_tower(enc.cfg).model
     mine = dict(enc.tower.named_parameters())  # type: ignore[union-attr]
     theirs = dict(tower.named_parameters())
     last = [n for n in mine if ".layers.1." in n]
@@ -418,7 +419,7 @@ def test_a_fine_tuned_audio_tower_trains_on_clips_of_several_lengths(
     from models.checkpoint import load_model
 
     enc = load_model(tmp_path / "model").encoder("sound")
-    tower = pretrained_module.load_tower(enc.cfg).model
+    tower = tower_module.load_tower(enc.cfg).model
     mine = dict(enc.tower.named_parameters())  # type: ignore[union-attr]
     theirs = dict(tower.named_parameters())
     assert any(not torch.equal(mine[n], theirs[n]) for n in mine if ".layers.1." in n)
@@ -429,11 +430,11 @@ def test_a_fine_tuned_tower_is_its_model_s_only_copy_in_the_process(towers) -> N
     builds the model), and preparing its inputs (DataLoader workers) loads the processor only."""
     cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers["clip"]),
                                     "input": "image", "train_layers": 1}, "m")  # fmt: skip
-    pretrained_module._LOADED.clear()
+    tower_module._LOADED.clear()
     enc = build_encoder(cfg, 8)
     inputs = enc.collate([decode(data_uri("image/png", png(5)), cfg)])
     assert enc(inputs).shape == (1, 8)
-    assert pretrained_module._LOADED == {}
+    assert tower_module._LOADED == {}
 
 
 def test_clear_errors(towers, tmp_path, capsys) -> None:
