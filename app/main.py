@@ -28,6 +28,7 @@ from app.services.state import AppState
 from app.services.threads import WorkerPools
 from app.services.versions import ServingVersion, VersionManager
 from app.services.workers import WorkerBoard, exit_with_parent
+from indexer.search import exact
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # thread costs more than it saves.
         torch.set_num_threads(1)
         faiss.omp_set_num_threads(settings.search_threads)
+        exact.use_blas_from(settings.faiss_blas_from)
         # numpy's and FAISS's OpenBLAS keep a pool of one thread per core, process-wide: held
         # to this worker's share.
         threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")

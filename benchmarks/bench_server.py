@@ -197,25 +197,33 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
-def wrk(url: str, connections: int, seconds: float, script: str) -> dict[str, Any]:
+def wrk(
+    url: str, connections: int, seconds: float, script: str, timeout_s: float = 2.0
+) -> dict[str, Any]:
+    """wrk's figures; a request unanswered within `timeout_s` counts as a timeout (wrk's own
+    default is 2 s: a slow workload at 32 connections needs more)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(script)
     try:
         out = subprocess.run(
             ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency",
-             "-s", f.name, url],
+             f"--timeout={max(1, round(timeout_s))}s", "-s", f.name, url],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
     finally:
         os.unlink(f.name)
-    pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)$", out, re.M))
+    pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)\s*$", out, re.M))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    timeouts = re.search(r"timeout (\d+)", out)
+    if "50" not in pct:  # nothing was answered in time
+        raise SystemExit(f"wrk: no request answered within {timeout_s:g} s:\n{out}")
     return {
         "qps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
         "p50_ms": _ms(pct["50"]),
         "p99_ms": _ms(pct["99"]),
         "requests": int(re.search(r"(\d+) requests in", out).group(1)),  # type: ignore[union-attr]
         "non_2xx": int(bad.group(1)) if bad else 0,
+        "timeouts": int(timeouts.group(1)) if timeouts else 0,
     }
 
 

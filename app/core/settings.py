@@ -130,6 +130,12 @@ class Settings(BaseSettings):
         description="FAISS's threads per search (default: the cores over the workers, so that "
         "N workers' searches together use every core once)",
     )
+    faiss_blas_from: int = Field(
+        8,
+        ge=1,
+        description="exact search runs FAISS's BLAS products from this many queries in a batch, "
+        "its per-query scan below (indexer/search/exact.py)",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="threads per encode (default: the cores over the workers)"
     )
