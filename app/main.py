@@ -28,7 +28,7 @@ from app.services.state import AppState
 from app.services.threads import WorkerPools
 from app.services.versions import ServingVersion, VersionManager
 from app.services.workers import WorkerBoard, exit_with_parent
-from indexer.search import exact
+from indexer.search import exact, lone_query
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         torch.set_num_threads(1)
         faiss.omp_set_num_threads(settings.search_threads)
         exact.use_blas_from(settings.faiss_blas_from)
+        lone_query.use_threads(settings.lone_query_threads)
         # numpy's and FAISS's OpenBLAS keep a pool of one thread per core, process-wide: held
         # to this worker's share.
         threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")

@@ -136,9 +136,26 @@ class Settings(BaseSettings):
         description="exact search runs FAISS's BLAS products from this many queries in a batch, "
         "its per-query scan below (indexer/search/exact.py)",
     )
+    lone_query_threads: int = Field(
+        default_factory=usable_cores,
+        ge=1,
+        description="threads a lone exact query scans its view on, in slices (default: the "
+        "cores; indexer/search/lone_query.py)",
+    )
     torch_threads: int | None = Field(
         None, ge=1, description="threads per encode (default: the cores over the workers)"
     )
+
+    search_on_loop: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run searches on each worker's event loop instead of its search thread. "
+        "auto: on when the workers are at least as many as the cores, so that each worker "
+        "has about one core (app/services/batching.py says why)",
+    )
+
+    def searches_on_loop(self) -> bool:
+        on = self.search_on_loop
+        return on == "on" or (on == "auto" and self.workers >= usable_cores())
 
     @model_validator(mode="after")
     def _threads_from_cores(self) -> Settings:

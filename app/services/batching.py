@@ -54,6 +54,7 @@ class MicroBatcher(Generic[T, R]):
         on_batch: Callable[[int], None] | None = None,
         max_pending: int = 1024,
         name: str = "batcher",
+        on_loop: bool = False,
     ):
         self.run_batch = run_batch
         self.executor = executor
@@ -62,6 +63,7 @@ class MicroBatcher(Generic[T, R]):
         self.on_batch = on_batch
         self.max_pending = max_pending
         self.name = name
+        self.on_loop = on_loop  # run on the event loop even with an executor (see search_batcher)
         self._pending: list[tuple[T, asyncio.Future[R]]] = []
         self._draining = False
         self._task: asyncio.Task[None] | None = None
@@ -84,7 +86,7 @@ class MicroBatcher(Generic[T, R]):
         return await future  # cancelling the awaiting task cancels the future: item dropped
 
     async def _call(self, items: list[T]) -> Sequence[R | Exception]:
-        if self.executor is None:
+        if self.executor is None or self.on_loop:
             return self.run_batch(items)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.executor, self.run_batch, items)
@@ -172,10 +174,16 @@ def search_batcher(
     on_batch: Callable[[int], None],
     max_pending: int = 1024,
     mask_of: Callable[[Any, dict[str, Any]], Any] | None = None,
+    on_loop: bool = False,
 ) -> MicroBatcher[SearchItem, SearchResult]:
     """A batch's query factors come from the head in one call; its plain queries go to the
     view together, a query with a filter or its own effort on its own, its filter evaluated
-    here, on the search thread (a pass over the field columns)."""
+    where the batch runs (a pass over the field columns): on the search thread, or with
+    `on_loop` on the event loop itself. A worker with about a core of its own (HCLIP_WORKERS at
+    least the cores) searches on its loop: a scan then holds the loop, the requests that arrive
+    meanwhile wait in the socket, and the next scan takes all of them; on a thread, the loop
+    and the scan share that core and the next scan starts with the first request back (1M x
+    256, 2 workers, 32 connections: docs/benchmarks/serving.md, "Batches")."""
 
     def run(items: list[SearchItem]) -> list[SearchResult | Exception]:
         xq = query_factors(head, view, items)  # (B, D)
@@ -205,8 +213,9 @@ def search_batcher(
         return out
 
     return MicroBatcher(
-        run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}"
-    )
+        run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}",
+        on_loop=on_loop,
+    )  # fmt: skip
 
 
 def encode_batcher(

@@ -232,10 +232,13 @@ class VersionManager:
         s = self.settings
         serving = ServingVersion(index, model)
         wait_s = s.batch_wait_ms / 1000.0
+        on_loop = s.searches_on_loop()
         for name, view in index.views.items():
             serving.searchers[name] = search_batcher(
                 view, model.head, self.pools.search, s.batch_max, wait_s,
                 self.metrics.batch_size.observe, s.max_pending, index.mask_of,
+                # a remote view's search waits on the network: on the search thread, never inline
+                on_loop and not view.remote,
             )  # fmt: skip
         limits = s.input_limits()
         for name in model.names:

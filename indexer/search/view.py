@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from indexer.search import ann, exact
+from indexer.search import ann, exact, lone_query
 from indexer.search.specs import IndexSpec
 
 EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are exact
@@ -86,7 +86,7 @@ class View:
         xq = np.ascontiguousarray(xq, dtype=np.float32)
         if self.vectors is not None:
             if allowed is None:
-                scores, pos = exact.search(xq, self.vectors, k)
+                scores, pos = lone_query.search(xq, self.vectors, k)
             else:
                 scores, pos = exact.search_allowed(xq, self.vectors, k, allowed)
         else:

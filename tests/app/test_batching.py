@@ -115,6 +115,65 @@ def test_a_query_whose_factor_overflows_fails_alone() -> None:
     assert ok[1].tolist() == [7]
 
 
+def test_on_loop_runs_every_batch_on_the_event_loop_with_the_same_results() -> None:
+    import threading
+
+    rng = np.random.default_rng(2)
+    xb = rng.standard_normal((400, 8)).astype(np.float32)
+    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(400) * 3, 8, vectors=xb)
+    xq = rng.standard_normal((10, 8)).astype(np.float32)
+
+    def run(on_loop: bool) -> tuple[list, list[str], list[int]]:
+        threads: list[str] = []
+        sizes: list[int] = []
+
+        async def main() -> list:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
+            b = search_batcher(view, unit_head(8), pool, 64, 0.0, sizes.append, on_loop=on_loop)
+            batch = b.run_batch
+
+            def recorded(items: list) -> list:
+                threads.append(threading.current_thread().name)
+                return batch(items)
+
+            b.run_batch = recorded
+            lone = await b.submit(item(xq[0], 4))
+            many = await asyncio.gather(*(b.submit(item(xq[i], 4)) for i in range(1, 10)))
+            return [lone, *many]
+
+        return asyncio.run(main()), threads, sizes
+
+    got, threads, sizes = run(on_loop=True)
+    assert set(threads) == {threading.main_thread().name}
+    assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) < 10  # still batched
+    for i, (scores, rows) in enumerate(got):
+        order = np.argsort(-(xb @ xq[i]))[:4]
+        assert rows.tolist() == (order * 3).tolist()
+        assert np.allclose(scores, (xb @ xq[i])[order], atol=1e-5)
+    off, threads, _ = run(on_loop=False)
+    assert threads and all(t.startswith("pool") for t in threads)
+    assert [r.tolist() for _, r in off] == [r.tolist() for _, r in got]
+
+
+@pytest.mark.parametrize(
+    ("mode", "one_per_core", "expected"),
+    [("auto", True, True), ("auto", False, False), ("on", False, True), ("off", True, False)],
+)
+def test_searches_go_on_the_loop_when_each_worker_has_a_core(
+    tmp_path, mode: str, one_per_core: bool, expected: bool
+) -> None:
+    import os
+
+    from app.core.settings import Settings
+
+    cores = len(os.sched_getaffinity(0))
+    if not one_per_core and cores == 1:
+        pytest.skip("one core: a single worker has it to itself")
+    workers = cores if one_per_core else 1
+    settings = Settings(root=tmp_path, workers=workers, search_on_loop=mode)
+    assert settings.searches_on_loop() is expected
+
+
 def test_searches_run_on_the_search_thread_batched_with_exact_results() -> None:
     import threading
 

@@ -94,3 +94,21 @@ def test_on_a_memory_map(tmp_path, kernel: str) -> None:
     np.save(tmp_path / "v.npy", rng.standard_normal((30_000, 32)).astype(np.float32))
     xb = np.load(tmp_path / "v.npy", mmap_mode="c")
     check(kernel, rng.standard_normal((9, 32)).astype(np.float32), xb, 10)
+
+
+def test_a_lone_query_split_over_threads_equals_the_reference(monkeypatch) -> None:
+    from indexer.search import lone_query
+
+    monkeypatch.setattr(lone_query, "MIN_PART_ROWS", 1000)
+    lone_query.use_threads(3)
+    try:
+        rng = np.random.default_rng(7)
+        xb = rng.standard_normal((10_007, 16)).astype(np.float32)
+        for q in rng.standard_normal((5, 16)).astype(np.float32):
+            scores, pos = lone_query.search(q[None], xb, 10)
+            assert np.allclose(scores, reference(q[None], xb, 10), rtol=1e-5, atol=1e-5)
+            assert np.allclose(xb[pos[0]] @ q, scores[0], rtol=1e-5, atol=1e-5)
+        tiny = xb[:7]  # fewer rows than k and than a slice: one scan, k cut to the rows
+        assert lone_query.search(xb[:1], tiny, 10)[0].shape == (1, 7)
+    finally:
+        lone_query.use_threads(1)
