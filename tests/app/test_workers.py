@@ -130,12 +130,12 @@ def listening_sockets(port: int) -> int:
     return count
 
 
-def test_each_worker_listens_on_its_own_socket_and_a_dead_one_is_replaced(two_workers) -> None:
+def test_a_dead_worker_is_replaced_on_the_same_listening_socket(two_workers) -> None:
     url = two_workers[0]
     port = int(url.rsplit(":", 1)[1])
-    # one socket per worker (SO_REUSEPORT): the kernel spreads connections by hash, instead of
-    # the first worker to wake taking every waiting connection off a shared socket
-    assert listening_sockets(port) == 2
+    # uvicorn's workers share the socket its manager bound: it listens while a worker restarts
+    # (a socket of each worker's own served no more: docs/benchmarks/serving.md, "Workers")
+    assert listening_sockets(port) == 1
 
     instances: set[str] = set()
     wait_until(lambda: instances.add(fresh(url, "GET", "/readyz").headers["x-hclip-instance"])
@@ -150,7 +150,7 @@ def test_each_worker_listens_on_its_own_socket_and_a_dead_one_is_replaced(two_wo
             return False
         if r.status_code == 200:
             instances.add(r.headers["x-hclip-instance"])
-        return len(instances) == 3 and listening_sockets(port) == 2
+        return len(instances) == 3 and listening_sockets(port) == 1
 
     wait_until(replaced, timeout=60)
     query = {"a": records_v("q", n=1)[0]["a"]}
