@@ -3,7 +3,7 @@ results merged in faiss.ResultHeap.
 
 Why: FAISS spreads its scan over queries, so one query runs on one core (on two OpenMP threads
 it ran three times slower still), while the cores beside it idle; a memory-mapped view of 1M x
-256 took 47 ms a lone query served on one core, 35 ms split in two (docs/benchmarks/serving.md,
+256 took 47 ms a lone query served on one core, 38 ms split in two (docs/benchmarks/serving.md,
 "A lone query"). FAISS lets go of the GIL while it scans, so plain threads do it.
 """
 
