@@ -81,7 +81,13 @@ def write_examples(data: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from app.demo.pipeline import ensure_index, run_all  # torch: not for the help
     from app.demo.runner import quiet_model_loading
+    from app.server.serve import PortInUse, check_port, serve
 
+    if not args.no_serve:  # a taken port is said now, not after minutes of building
+        try:
+            check_port(args.host, args.port)
+        except PortInUse as exc:
+            raise DemoError(f"{exc}: pass another --port") from None
     quiet_model_loading()
     data = args.data_dir.resolve()
     data.mkdir(parents=True, exist_ok=True)
@@ -98,7 +104,6 @@ def run(args: argparse.Namespace) -> int:
     if args.no_serve:
         return 0 if results else 1
     from app.core.settings import Settings
-    from app.server.serve import PortInUse, serve
 
     page = f"http://{args.host}:{args.port}/"
     settings = Settings(root=root, media_dir=data, host=args.host, port=args.port, workers=1)

@@ -258,6 +258,25 @@ def test_espeak_is_installed_with_a_notice_not_apt_output(tmp_path: Path, monkey
         ensure_espeak()
 
 
+def test_a_taken_port_is_said_before_anything_is_built(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "app.cli", "demo", "--port", str(port)]
+        cmd += ["--data-dir", str(tmp_path / "demo")]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot bind 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert not (tmp_path / "demo").exists() and time.perf_counter() - t0 < 30
+
+
 def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: Path) -> None:
     root = demo_dir / "interaction" / "index"
     if artifact.read_current(root) is None:
