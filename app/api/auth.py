@@ -22,7 +22,8 @@ from app.core.settings import Settings
 
 
 class KeyFileError(ValueError):
-    """HCLIP_API_KEYS_FILE cannot be read: the service does not start open by mistake."""
+    """The keys asked for cannot be had (a file that cannot be read, settings that name no
+    key): the service does not start open by mistake."""
 
 
 def _file_keys(path: Path) -> list[str]:
@@ -42,8 +43,19 @@ class Keys:
     @staticmethod
     def of(settings: Settings) -> Keys:
         read = [k.strip() for k in (settings.api_keys or "").split(",") if k.strip()]
+        if settings.api_keys and not read:
+            raise KeyFileError(
+                f"HCLIP_API_KEYS={settings.api_keys!r} names no key: set keys, or leave it unset "
+                "for open read routes"
+            )
         if settings.api_keys_file is not None:
-            read += _file_keys(settings.api_keys_file)
+            from_file = _file_keys(settings.api_keys_file)
+            if not from_file:
+                raise KeyFileError(
+                    f"HCLIP_API_KEYS_FILE {settings.api_keys_file} holds no key (one a line; "
+                    "# starts a comment)"
+                )
+            read += from_file
         metrics = [settings.metrics_key] if settings.metrics_key else read
         return Keys(tuple(k.encode() for k in read), tuple(k.encode() for k in metrics))
 

@@ -69,6 +69,9 @@ def serve(settings: Settings, on_listening: Callable[[], None] | None = None) ->
     listens, its version loaded: when a user can open the page."""
     import uvicorn
 
+    from app.api.auth import Keys
+
+    Keys.of(settings)  # keys that cannot be had stop the start here, not in every worker
     check_port(settings.host, settings.port)
     if settings.workers == 1:
         from app.main import create_app

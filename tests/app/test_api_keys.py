@@ -89,3 +89,17 @@ def test_an_unreadable_keys_file_stops_the_start(tmp_path: Path) -> None:
     settings = settings_for(tmp_path, api_keys_file=tmp_path / "missing")
     with pytest.raises(KeyFileError, match=r"HCLIP_API_KEYS_FILE .*missing"):
         create_app(settings)
+
+
+@pytest.mark.parametrize("keys", [" , ", ",", "  "])
+def test_keys_that_name_no_key_stop_the_start(tmp_path: Path, keys: str) -> None:
+    with pytest.raises(KeyFileError, match="names no key"):
+        create_app(settings_for(tmp_path, api_keys=keys))
+
+
+def test_a_keys_file_of_comments_stops_the_start(tmp_path: Path) -> None:
+    (tmp_path / "keys").write_text("# the keys go here\n\n   \n")
+    with pytest.raises(KeyFileError, match="holds no key"):
+        create_app(settings_for(tmp_path, api_keys_file=tmp_path / "keys"))
+    # an empty HCLIP_API_KEYS is unset, as compose passes one through: open, and it starts
+    create_app(settings_for(tmp_path, api_keys=""))
