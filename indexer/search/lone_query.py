@@ -20,6 +20,7 @@ from indexer.search import exact
 MIN_PART_ROWS = 65536  # a slice smaller than this costs a thread hop more than it saves
 _threads = 1
 _pool: ThreadPoolExecutor | None = None
+_pool_size = 0
 _pool_lock = threading.Lock()
 
 
@@ -30,13 +31,13 @@ def use_threads(threads: int) -> None:
 
 
 def _helpers(count: int) -> ThreadPoolExecutor:
-    global _pool
+    global _pool, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < count:  # grows with use_threads()
-            _pool = ThreadPoolExecutor(
+        if _pool is None or _pool_size < count:  # grows with use_threads()
+            _pool, _pool_size = ThreadPoolExecutor(
                 count, thread_name_prefix="lone-scan",
                 initializer=faiss.omp_set_num_threads, initargs=(1,),
-            )  # fmt: skip
+            ), count  # fmt: skip
         return _pool
 
 
