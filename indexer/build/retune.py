@@ -28,10 +28,10 @@ from indexer.store import artifact
 from indexer.store.recordstore import id_hash_of
 from indexer.store.rows import load_rows
 from indexer.store.verify import verify_contents
-from indexer.store.version import LoadedVersion
+from indexer.store.version import LoadedVersion, built_by
 from indexer.tune.query_log import read_queries
 from indexer.tune.tuner import FAMILIES, TuneOptions
-from models.checkpoint import fingerprint, load_model
+from models.checkpoint import load_model
 from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
@@ -89,14 +89,7 @@ def run(args: argparse.Namespace) -> int:
 def _model(manifest: dict[str, Any], model_dir: Path | None) -> MultimodalModel:
     """The model that built the version: the query side of the tuning (omega) needs its
     weights, and a different model would tune for queries the version never gets."""
-    model_dir = model_dir or Path(manifest["model"]["path"])
-    fp = fingerprint(model_dir)
-    if fp != manifest["model"]["fingerprint"]:
-        raise artifact.ArtifactError(
-            f"model {model_dir} (fingerprint {fp}) differs from the one that built version "
-            f"{manifest['version']} ({manifest['model']['fingerprint']})"
-        )
-    return load_model(model_dir)
+    return load_model(built_by(manifest, model_dir))
 
 
 def _link_or_copy(src: Path, dst: Path) -> None:

@@ -23,7 +23,8 @@ from indexer.store import artifact
 from indexer.store.arrays import NpyRows
 from indexer.store.recordstore import RecordStore, id_hash_of
 from indexer.store.rows import embedding_path
-from models.checkpoint import fingerprint, load_model
+from indexer.store.version import built_by
+from models.checkpoint import load_model
 from models.records import RecordError
 
 UPSERTS = "upserts.tmp"  # inside a staged update: upserts encoded before any old row is dropped
@@ -53,14 +54,8 @@ def update(
         artifact.clean_staging(root)
         old = artifact.current_version_dir(root)
         manifest = artifact.read_manifest(old)
-        model_dir = model_dir or Path(manifest["model"]["path"])
-        fp = fingerprint(model_dir)
-        if fp != manifest["model"]["fingerprint"]:
-            raise artifact.ArtifactError(
-                f"model {model_dir} (fingerprint {fp}) differs from the one that built version "
-                f"{old.name} ({manifest['model']['fingerprint']}): embeddings would mix models; "
-                "run a full `hclip index build` instead"
-            )
+        hint = ": embeddings would mix models; run a full `hclip index build` instead"
+        model_dir = built_by(manifest, model_dir, hint)
         model = load_model(model_dir).to_inference(opts.device, field="--device")
         if not spec_given:
             opts.spec = _previous_spec(manifest)

@@ -22,6 +22,7 @@ from indexer.search.view import View
 from indexer.store import artifact
 from indexer.store.recordstore import RecordStore, RecordStoreError, id_hash_of
 from indexer.store.rows import StoredRows, embedding_path, factor_chunks
+from models.checkpoint import fingerprint
 from models.heads import build_head
 
 log = logging.getLogger(__name__)
@@ -112,3 +113,16 @@ class LoadedVersion:
             n: np.asarray(self.stored.embeddings[n][row]).tolist()
             for n in self.records.modalities(row)
         }
+
+
+def built_by(manifest: dict[str, Any], model_dir: Path | None, hint: str = "") -> Path:
+    """The model directory that built a version (`model_dir`, else the one its manifest names),
+    checked by fingerprint: another model's embeddings or queries would not match its own."""
+    model_dir = model_dir or Path(manifest["model"]["path"])
+    fp = fingerprint(model_dir)
+    if fp != manifest["model"]["fingerprint"]:
+        raise artifact.ArtifactError(
+            f"model {model_dir} (fingerprint {fp}) differs from the one that built version "
+            f"{manifest['version']} ({manifest['model']['fingerprint']}){hint}"
+        )
+    return model_dir
