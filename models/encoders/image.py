@@ -15,32 +15,56 @@ from models.encoders.base import ProjectedEncoder, small_cnn
 from models.encoders.media import read_bytes
 from models.limits import DEFAULT_LIMITS, InputError, InputLimits, InputTooLarge
 
+UNREADABLE = "image could not be decoded (not a PNG, JPEG or other known format)"
+
+
+def _over(pixels: str, limits: InputLimits) -> InputTooLarge:
+    return InputTooLarge(
+        f"image is {pixels}, over the limit of {limits.max_image_pixels} (max_image_pixels)"
+    )
+
+
+def image_pixels(data: bytes, limits: InputLimits) -> int:
+    """width x height from an image's header, nothing decompressed: what decoding it costs.
+    Raises InputTooLarge over max_image_pixels, InputError when no header is readable."""
+    from PIL import Image
+
+    failure: InputError | None = None
+    try:
+        with Image.open(io.BytesIO(data)) as opened:
+            w, h = opened.size
+            opened.close()
+    except Image.DecompressionBombError:  # PIL's own guard, for the largest headers
+        failure = _over("more pixels than PIL opens", limits)
+    except Exception:  # PIL's openers raise many undocumented types on hostile bytes
+        failure = InputError(UNREADABLE)
+    if failure is None and w * h > limits.max_image_pixels:
+        failure = _over(f"{w}x{h} = {w * h} pixels", limits)
+    if failure is not None:
+        raise failure  # outside the except blocks: no context chain back to PIL's frames
+    return w * h
+
 
 def decode_image_file(data: bytes, limits: InputLimits, mode: str) -> Any:
     """An image's bytes -> a PIL image in `mode` ("L" or "RGB"), its pixel count checked from
-    the header before anything is decompressed."""
+    the header before anything is decompressed.
+
+    The source's pixels are released on every path: a decode that fails part-way has already
+    allocated the whole image, and an error whose traceback kept a frame holding it would keep
+    that memory for as long as the error lives."""
     from PIL import Image
 
+    image_pixels(data, limits)
+    opened = None
     try:
-        with Image.open(io.BytesIO(data)) as opened:
-            w, h = opened.size  # from the header: nothing is decompressed yet
-            if w * h > limits.max_image_pixels:
-                raise InputTooLarge(
-                    f"image is {w}x{h} = {w * h} pixels, over the limit of "
-                    f"{limits.max_image_pixels} (max_image_pixels)"
-                )
-            return opened.convert(mode)
-    except InputError:
-        raise
-    except Image.DecompressionBombError as exc:
-        # PIL's own guard fires in open() for the largest headers, before ours can look.
-        raise InputTooLarge(
-            f"image is over the limit of {limits.max_image_pixels} pixels (max_image_pixels): {exc}"
-        ) from None
+        opened = Image.open(io.BytesIO(data))
+        return opened.convert(mode)
     except Exception:  # PIL's decoders raise many undocumented types on hostile bytes
-        raise InputError(
-            "image could not be decoded (not a PNG, JPEG or other known format)"
-        ) from None
+        pass
+    finally:
+        if opened is not None:
+            opened.close()  # frees the source's pixels, decoded or half-decoded
+    raise InputError(UNREADABLE)  # outside the except block: no context chain to PIL's frames
 
 
 def decode_image(
