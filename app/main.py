@@ -52,7 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         pools = WorkerPools(settings.search_threads, settings.encode_threads)
         cache = make_cache(
             settings.redis_url,
-            max_items=settings.cache_max_items,
+            max_bytes=settings.cache_max_bytes,
             timeout_s=settings.redis_timeout_s,
             retry_s=settings.redis_retry_s,
             metrics=metrics,

@@ -128,7 +128,7 @@ def ids(url: str, bodies: list[dict[str, Any]]) -> list[list[str]]:
 
 def serve(root: Path, port: int, workers: int) -> subprocess.Popen:
     env = bench_server.env_for(REPO, HCLIP_ROOT=str(root), HCLIP_PORT=str(port),
-                               HCLIP_CACHE_MAX_ITEMS="1")  # fmt: skip
+                               HCLIP_CACHE_MAX_ITEMS="1", HCLIP_CACHE_MAX_BYTES="0")  # fmt: skip
     return subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)],
         cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,

@@ -200,6 +200,7 @@ def serve_and_measure(repo: Path, work: Path, searches: int, port: int) -> dict[
         HCLIP_PORT=str(port),
         HCLIP_POLL_INTERVAL_S="0.2",
         HCLIP_CACHE_MAX_ITEMS="10",
+        HCLIP_CACHE_MAX_BYTES="0",
     )
     url = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()

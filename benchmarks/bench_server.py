@@ -262,7 +262,7 @@ def wait_ready(url: str, proc: subprocess.Popen) -> None:
 
 def served(repo: Path, root: Path, workers: int, seconds: float, port: int) -> dict[str, Any]:
     env = env_for(repo, HCLIP_ROOT=str(root), HCLIP_PORT=str(port),
-                  HCLIP_CACHE_MAX_ITEMS="200000")  # fmt: skip
+                  HCLIP_CACHE_MAX_ITEMS="200000", HCLIP_CACHE_MAX_BYTES=str(4 << 30))  # fmt: skip
     cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
     t0 = time.perf_counter()
     server = subprocess.Popen(

@@ -424,7 +424,8 @@ def served(
 ) -> dict[str, Any]:
     import httpx
 
-    env = env_for(repo, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_ITEMS="200000")
+    env = env_for(repo, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_ITEMS="200000",
+                  HCLIP_CACHE_MAX_BYTES=str(4 << 30))  # fmt: skip
     cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
     url = f"http://127.0.0.1:{port}"
     lua = lua_for(w.name)

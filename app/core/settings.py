@@ -73,13 +73,25 @@ class Settings(BaseSettings):
     max_abs_value: float = Field(
         1e6, gt=0, description="a number in a vector input or an embedding; larger is refused"
     )
+    # Limits on a whole request's media (a batch's or an embed's inputs summed), from headers.
+    max_request_pixels: int = Field(
+        4 * 4096 * 4096, ge=64, description="the images of one request, width x height summed"
+    )
+    max_request_audio_seconds: float = Field(
+        240.0, gt=0, description="the seconds its encoders read of one request's clips, summed"
+    )
 
     # Backpressure: bounded queues, and a deadline after which a request gives up (503).
     max_pending: int = Field(256, ge=1, description="queued requests per batcher, then 503")
     request_timeout_s: float = Field(10.0, gt=0, description="per request, then 503")
 
     cache_ttl_s: int = Field(300, ge=1)
-    cache_max_items: int = Field(10_000, ge=1, description="in-process cache size")
+    cache_max_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=0,
+        description="the in-process cache of each worker, in bytes (entries are results and "
+        "query embeddings; 0 keeps none); Redis is bounded by its own maxmemory",
+    )
     redis_timeout_s: float = Field(0.05, gt=0, description="per Redis call; slower counts as down")
     redis_retry_s: float = Field(1.0, gt=0, description="after a Redis failure, skip it this long")
     cache_prefix: str = "hclip:v1"

@@ -39,25 +39,38 @@ class Cache(Protocol):
     async def close(self) -> None: ...
 
 
+# What an entry costs beyond its value's bytes: its key, the tuple, the cache's own records.
+ENTRY_OVERHEAD = 256
+
+
 class MemoryCache:
-    """cachetools' LRU with a per-entry expiry (TLRUCache); only touched from the event loop,
-    so no lock."""
+    """cachetools' LRU with a per-entry expiry (TLRUCache), bounded in bytes (a result with
+    k = 100 and large payloads is hundreds of kB, a query embedding about 1 kB); only touched
+    from the event loop, so no lock."""
 
     backend = "memory"
 
-    def __init__(self, max_items: int):
-        self.max_items = max_items
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
         # an entry is (its time to live, its bytes): it expires that long after it was set
         self._data: TLRUCache[str, tuple[int, bytes]] = TLRUCache(
-            max_items, ttu=lambda _key, entry, now: now + entry[0], timer=time.monotonic
+            max_bytes,
+            ttu=lambda _key, entry, now: now + entry[0],
+            timer=time.monotonic,
+            getsizeof=lambda entry: len(entry[1]) + ENTRY_OVERHEAD,
         )
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._data.currsize)
 
     async def get(self, key: str) -> bytes | None:
         entry = self._data.get(key)
         return None if entry is None else entry[1]
 
     async def set(self, key: str, value: bytes, ttl_s: int) -> None:
-        self._data[key] = (ttl_s, value)
+        if len(value) + ENTRY_OVERHEAD <= self.max_bytes:  # a larger one is not kept at all
+            self._data[key] = (ttl_s, value)
 
     async def close(self) -> None:
         self._data.clear()
@@ -159,7 +172,7 @@ class SignedCache:
 def make_cache(
     redis_url: str | None,
     *,
-    max_items: int,
+    max_bytes: int,
     timeout_s: float,
     retry_s: float,
     metrics: Metrics,
@@ -167,4 +180,4 @@ def make_cache(
 ) -> Cache:
     if redis_url:  # shared with whatever else reaches it: entries are authenticated
         return SignedCache(RedisCache(redis_url, timeout_s, retry_s, metrics), secret, metrics)
-    return MemoryCache(max_items)  # this process's own memory: nothing else writes it
+    return MemoryCache(max_bytes)  # this process's own memory: nothing else writes it

@@ -5,7 +5,9 @@ The body's shape and types were checked where it was parsed (app.api.schemas); w
 what is served is checked here: k and effort in their ranges, which view the named modalities
 select, each raw input's type (and, for the cheap kinds, its value), each given embedding, the
 filter against the version's declared fields, and how many queries or inputs a request holds.
-Encoders keep their own input limits (pixels, samples), checked where media are decoded.
+Media are measured from their headers (an image's pixels, the seconds of a clip its encoder
+reads): one over its limit, or a request whose media sum over the request's budget, is refused
+before any decoding is queued. Encoders check their inputs' limits again where they decode.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from app.core.settings import Settings
 from app.services.versions import ServingVersion
 from indexer.store.fields import FilterError
 from models.encoders import decode
+from models.encoders.decode_cost import decode_cost
 from models.limits import FLOAT32_MAX, InputError, InputLimits, InputTooLarge
 
 
@@ -61,14 +64,44 @@ def as_api_error(field: str, exc: InputError) -> ApiError:
     return cls(f"{field}: {exc}")
 
 
+class MediaBudget:
+    """What one request's media will cost to decode, summed as its inputs are checked."""
+
+    def __init__(self, settings: Settings):
+        self.limits = {
+            "image": (float(settings.max_request_pixels), "pixels", "HCLIP_MAX_REQUEST_PIXELS"),
+            "audio": (
+                settings.max_request_audio_seconds,
+                "s of audio",
+                "HCLIP_MAX_REQUEST_AUDIO_SECONDS",
+            ),
+        }
+        self.spent = {"image": 0.0, "audio": 0.0}
+
+    def spend(self, field: str, form: str, cost: float) -> None:
+        if form not in self.spent:
+            return
+        self.spent[form] += cost
+        limit, unit, setting = self.limits[form]
+        digits = 0 if form == "image" else 1
+        if self.spent[form] > limit:
+            raise TooLarge(
+                f"{field}: the request's media reach {self.spent[form]:.{digits}f} {unit} to "
+                f"decode, over the limit of {limit:.{digits}f} per request ({setting})"
+            )
+
+
 class RequestChecks:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.limits: InputLimits = settings.input_limits()
 
-    def search(self, serving: ServingVersion, body: SearchBody) -> CheckedSearch:
+    def search(
+        self, serving: ServingVersion, body: SearchBody, budget: MediaBudget | None = None
+    ) -> CheckedSearch:
         """Everything about a search that can be refused before any work is queued."""
         s = self.settings
+        budget = MediaBudget(s) if budget is None else budget
         k = s.default_k if body.k is None else body.k
         if not 1 <= k <= s.max_k:
             raise out_of_range("k", k, 1, s.max_k, "HCLIP_MAX_K")
@@ -79,7 +112,7 @@ class RequestChecks:
         if view is None:
             views = ", ".join(serving.searchers)
             raise Unanswerable(f"no index for query modalities {view_name!r} (views: {views})")
-        raw = {m: self._raw(serving, m, v, f"query.{m}") for m, v in body.query.items()}
+        raw = {m: self._raw(serving, m, v, f"query.{m}", budget) for m, v in body.query.items()}
         d = serving.model.cfg.latent_dim
         given = {m: self._embedding(f"embeddings.{m}", v, d) for m, v in body.embeddings.items()}
         flt = body.filter_dict()
@@ -98,10 +131,10 @@ class RequestChecks:
         limit = self.settings.max_batch_queries
         if len(queries) > limit:
             raise out_of_range("queries", len(queries), 1, limit, "HCLIP_MAX_BATCH_QUERIES")
-        checked = []
+        checked, budget = [], MediaBudget(self.settings)
         for i, q in enumerate(queries):
             try:
-                checked.append(self.search(serving, q))
+                checked.append(self.search(serving, q, budget))
             except ApiError as exc:
                 exc.message = f"queries[{i}].{exc.message}"
                 raise
@@ -117,7 +150,10 @@ class RequestChecks:
         if len(inputs) > limit:
             raise out_of_range("inputs", len(inputs), 1, limit, "HCLIP_MAX_EMBED_INPUTS")
         fields = [f"inputs[{i}]" for i in range(len(inputs))]
-        values = [self._raw(serving, modality, v, f) for v, f in zip(inputs, fields, strict=True)]
+        budget = MediaBudget(self.settings)
+        values = [
+            self._raw(serving, modality, v, f, budget) for v, f in zip(inputs, fields, strict=True)
+        ]
         return CheckedEmbed(modality, values, fields)
 
     @staticmethod
@@ -141,15 +177,23 @@ class RequestChecks:
             raise Unanswerable("the query names every modality: nothing is left to retrieve")
         return modalities
 
-    def _raw(self, serving: ServingVersion, modality: str, value: Any, field: str) -> Any:
+    def _raw(
+        self, serving: ServingVersion, modality: str, value: Any, field: str, budget: MediaBudget
+    ) -> Any:
         """A raw input's type, and for the cheap kinds (texts, vectors) its value; media are
-        decoded by their encoder's thread. A `vector` input is returned decoded (its encoder
-        runs inline and takes it as it is), any other as it came."""
+        measured from their headers here and decoded by their encoder's thread. A `vector`
+        input is returned decoded (its encoder runs inline and takes it as it is), any other
+        as it came."""
         cfg = serving.model.cfg.modalities[modality]
         # A client must not make the server read its own files: media come inline only.
         if cfg.raw_form in ("image", "audio"):
             if not (isinstance(value, str) and value.startswith("data:")):
                 raise InvalidInput(f"{field}: {cfg.raw_form} must be a base64 data: URI")
+            try:
+                cost = decode_cost(value, cfg, self.limits)
+            except InputError:
+                cost = 0.0  # refused by its encoder from the same header: only its query fails
+            budget.spend(field, cfg.raw_form, cost)
         elif cfg.raw_form in ("text", "vector", "embedding"):
             try:
                 decoded = decode(value, cfg, base_dir=None, limits=self.limits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import math
 import wave
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,39 +44,69 @@ def _pcm_to_float(frames: bytes, width: int, channels: int) -> np.ndarray:
     return x.reshape(-1, channels).mean(axis=1)
 
 
+@dataclass(frozen=True)
+class WavHeader:
+    rate: int
+    width: int  # bytes per sample
+    channels: int
+    nframes: int  # as the header declares them
+    data_at: int  # where the samples begin in the file
+
+    @property
+    def seconds(self) -> float:
+        return self.nframes / self.rate
+
+
+def wav_header(data: bytes, limits: InputLimits) -> WavHeader:
+    """A WAV file's header, its limits checked; no sample is read. `data` may be the file's
+    first bytes only."""
+    failure: InputError | None = None
+    try:
+        buf = io.BytesIO(data)
+        with wave.open(buf, "rb") as w:
+            # wave stops at the data chunk's header: the file's position is its first sample
+            header = WavHeader(
+                w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes(), buf.tell()
+            )
+    except Exception:  # wave raises wave.Error, EOFError, struct.error... on hostile bytes
+        failure = InputError("audio could not be decoded (expected a PCM WAV file)")
+    if failure is not None:
+        raise failure  # outside the except block: no context chain to wave's frames
+    if header.channels <= 0 or header.channels > 64:
+        raise InputError(f"audio WAV header is invalid ({header.channels} channels)")
+    if not limits.min_sample_rate <= header.rate <= limits.max_sample_rate:
+        raise InputTooLarge(
+            f"audio sample rate {header.rate} Hz is outside the accepted range "
+            f"{limits.min_sample_rate}-{limits.max_sample_rate} Hz "
+            "(min_sample_rate, max_sample_rate)"
+        )
+    if header.seconds > limits.max_audio_seconds:
+        raise InputTooLarge(
+            f"audio is {header.seconds:.1f} s long, over the limit of "
+            f"{limits.max_audio_seconds:g} s (max_audio_seconds)"
+        )
+    return header
+
+
 def _read_wav(
     data: bytes, cfg: ModalityConfig, limits: InputLimits, margin_s: float = 0.0
 ) -> tuple[np.ndarray, int, int]:
     """(mono samples of a prefix, frames in the whole file, rate): only the frames that the
     encoder's max_seconds (and `margin_s` more) needs are read, however long the file says
-    it is."""
-    try:
-        with wave.open(io.BytesIO(data), "rb") as w:
-            rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
-            nframes = w.getnframes()
-            if channels <= 0 or channels > 64:
-                raise InputError(f"audio WAV header is invalid ({channels} channels)")
-            if not limits.min_sample_rate <= rate <= limits.max_sample_rate:
-                raise InputTooLarge(
-                    f"audio sample rate {rate} Hz is outside the accepted range "
-                    f"{limits.min_sample_rate}-{limits.max_sample_rate} Hz "
-                    "(min_sample_rate, max_sample_rate)"
-                )
-            if nframes / rate > limits.max_audio_seconds:
-                raise InputTooLarge(
-                    f"audio is {nframes / rate:.1f} s long, over the limit of "
-                    f"{limits.max_audio_seconds:g} s (max_audio_seconds)"
-                )
-            scale = rate / cfg.sample_rate  # input samples per output sample
-            need = math.ceil(((cfg.max_seconds + margin_s) * cfg.sample_rate + 1) * scale) + 2
-            frames = w.readframes(min(nframes, need))
-    except InputError:
-        raise
-    except Exception:  # wave raises wave.Error, EOFError, struct.error... on hostile bytes
-        raise InputError("audio could not be decoded (expected a PCM WAV file)") from None
-    samples = _pcm_to_float(frames, width, channels)
-    total = nframes if len(samples) >= min(nframes, need) else len(samples)  # a cut file
-    return samples, total, rate
+    it is. A file holding fewer bytes than its header declares is cut: refused, as a
+    truncated upload is."""
+    h = wav_header(data, limits)
+    frame_bytes = h.width * h.channels
+    held = len(data) - h.data_at
+    if held < h.nframes * frame_bytes:
+        raise InputError(
+            f"audio is truncated: its header declares {h.nframes} frames ({h.seconds:.2f} s), "
+            f"the file holds {max(held, 0) // frame_bytes}"
+        )
+    scale = h.rate / cfg.sample_rate  # input samples per output sample
+    need = math.ceil(((cfg.max_seconds + margin_s) * cfg.sample_rate + 1) * scale) + 2
+    frames = data[h.data_at : h.data_at + min(h.nframes, need) * frame_bytes]
+    return _pcm_to_float(frames, h.width, h.channels), h.nframes, h.rate
 
 
 def _resample_prefix(x: np.ndarray, total: int, rate: int, target: int, n: int) -> np.ndarray:

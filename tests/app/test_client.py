@@ -114,7 +114,7 @@ def test_503_is_retried_as_retry_after_says(tmp_path: Path, vector_index) -> Non
 
 def test_a_timeout(media) -> None:
     root, _ = media
-    settings = settings_for(root, max_media_bytes=8 << 20)
+    settings = settings_for(root, max_media_bytes=8 << 20, max_request_pixels=16 * 4096 * 4096)
     with running(settings) as http, Client(str(http.base_url), timeout=0.05) as c:
         c.info()  # the client's one-off lookup, outside the timed call
         # 16 images at the pixel limit take the server ten times the client's 50 ms on any
