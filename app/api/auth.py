@@ -1,5 +1,6 @@
 """Optional API keys for reads: `Authorization: Bearer <key>` on /v1/search, /v1/search/batch,
-/v1/embed, /v1/records/* and /v1/info when HCLIP_API_KEYS or HCLIP_API_KEYS_FILE names any;
+/v1/embed, /v1/records/*, /v1/info and the demo's /v1/demo/examples and /media/* when
+HCLIP_API_KEYS or HCLIP_API_KEYS_FILE names any;
 /metrics takes HCLIP_METRICS_KEY when set (else the read keys). /healthz, /readyz, the page and
 the API's description stay open; /v1/admin/* has its own token (HCLIP_ADMIN_TOKEN).
 

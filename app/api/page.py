@@ -1,14 +1,19 @@
-"""The search page at `/`, its static files, and (in demo mode) the demo's media and examples."""
+"""The search page at `/`, its static files, and (in demo mode) the demo's media and examples.
+
+The page and its static files are open; the demo's media and examples are records' payloads,
+so they take the read key when keys are on (app.api.auth), as every route returning records
+does."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import orjson
-from fastapi import APIRouter, FastAPI
-from starlette.responses import FileResponse
+from fastapi import APIRouter, FastAPI, Request
+from starlette.responses import FileResponse, Response
 from starlette.staticfiles import StaticFiles
 
+from app.api.auth import ReadKey
 from app.api.deps import State
 from app.api.docs import errors
 from app.api.http import JSONResponse
@@ -32,7 +37,8 @@ async def favicon() -> FileResponse:
 
 @router.get(
     "/v1/demo/examples",
-    responses=errors(404),
+    dependencies=[ReadKey],
+    responses=errors(401, 404),
     summary="The demo's held-out examples for the page's pickers (demo mode only)",
 )
 async def examples(state: State) -> JSONResponse:
@@ -47,4 +53,13 @@ def install(app: FastAPI, media_dir: Path | None) -> None:
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     if media_dir is not None:
         # Only the demo's own generated media: clients never name server paths in queries.
-        app.mount("/media", StaticFiles(directory=media_dir), name="media")
+        # Starlette's StaticFiles resolves a path inside its directory; a route around it, not
+        # a mount, so that the read key is checked first.
+        files = StaticFiles(directory=media_dir)
+
+        async def media(path: str, request: Request) -> Response:
+            return await files.get_response(path, request.scope)
+
+        app.add_api_route(
+            "/media/{path:path}", media, dependencies=[ReadKey], include_in_schema=False
+        )

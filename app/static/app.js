@@ -45,8 +45,18 @@ function setValue(name, value, label) {
   box.querySelectorAll(".selected").forEach((n) => n.classList.remove("selected"));
 }
 
+// The demo's media take the read key when the server asks for one, and <img>/<audio> cannot
+// send it: with a key, the page fetches them itself and shows them from a blob URL.
+function withMedia(node, url) {
+  if (sessionStorage.getItem("hclip-key") === null) { node.src = url; return Promise.resolve(node); }
+  return api(url).then((r) => (r.ok ? r.blob() : null)).then((blob) => {
+    if (blob) node.src = URL.createObjectURL(blob);
+    return node;
+  });
+}
+
 async function pickURL(name, url, label, node) {
-  const blob = await (await fetch(url)).blob();
+  const blob = await (await api(url)).blob();
   setValue(name, await toDataURI(blob), label);
   node.classList.add("selected");
 }
@@ -54,8 +64,8 @@ async function pickURL(name, url, label, node) {
 function imageControls(name) {
   const ex = el("div", { class: "examples" });
   for (const item of state.examples.image || []) {
-    const img = el("img", { src: item.url, alt: `example ${item.label}`, title: item.label,
-                            "data-example": "image" });
+    const img = el("img", { alt: `example ${item.label}`, title: item.label, "data-example": "image" });
+    withMedia(img, item.url);
     img.onclick = () => pickURL(name, item.url, `example image (${item.label})`, img);
     ex.append(img);
   }
@@ -76,7 +86,10 @@ function audioControls(name) {
     }
     const spoken = voice ? `"${item.label}" in voice ${voice}` : `"${item.label}"`;
     const b = el("button", { type: "button", "data-example": "audio", title: spoken }, item.label);
-    b.onclick = () => { new Audio(item.url).play().catch(() => {}); pickURL(name, item.url, `clip ${spoken}`, b); };
+    b.onclick = () => {
+      withMedia(new Audio(), item.url).then((a) => a.play()).catch(() => {});
+      pickURL(name, item.url, `clip ${spoken}`, b);
+    };
     rows.get(voice).append(b);
   }
   const ex = el("div", {}, ...rows.values());
@@ -194,9 +207,15 @@ function clearResults() {
 
 // A record's modality as the page shows it, from the payload the demo stores beside it.
 function shown(kind, p) {
-  if (kind === "image" && p.image_url) return el("img", { src: p.image_url, alt: "image" });
+  if (kind === "image" && p.image_url) {
+    const img = el("img", { alt: "image" });
+    withMedia(img, p.image_url);
+    return img;
+  }
   if (kind === "audio" && p.audio_url) {
-    return el("audio", { controls: "", preload: "none", src: p.audio_url });
+    const audio = el("audio", { controls: "", preload: "none" });
+    withMedia(audio, p.audio_url);
+    return audio;
   }
   if (kind === "text" && p.text) return el("span", {}, `“${p.text}”`);
   return null;

@@ -55,8 +55,10 @@ def chrome(microphone: Path | None = None) -> Any:
 class SearchPage:
     """The page at `url` in a fresh browser; use as a context manager."""
 
-    def __init__(self, url: str, microphone: Path | None = None, timeout: float = 30.0):
-        self.url, self.microphone, self.timeout = url, microphone, timeout
+    def __init__(
+        self, url: str, microphone: Path | None = None, timeout: float = 30.0, key: str = ""
+    ):
+        self.url, self.microphone, self.timeout, self.key = url, microphone, timeout, key
 
     def __enter__(self) -> SearchPage:
         from selenium.webdriver.support.ui import WebDriverWait
@@ -65,6 +67,10 @@ class SearchPage:
         try:
             self.driver.get(self.url)
             self.wait = WebDriverWait(self.driver, self.timeout)
+            if self.key:  # the page asks for the server's read key, as it does a user
+                self.wait.until(lambda d: self._css("#key-form")[0].is_displayed())
+                self._css("#key")[0].send_keys(self.key)
+                self._css("#key-form button, #key-form input[type=submit]")[0].click()
             self.wait.until(lambda d: self._css("body")[0].get_attribute("data-ready") == "1")
         except BaseException:
             self.driver.quit()
@@ -132,6 +138,16 @@ class SearchPage:
         self._press_search()
         assert self.error(), "the search was answered without an error"
         return self.error()
+
+    def images_shown(self, selector: str) -> bool:
+        """Every image that `selector` finds has loaded (the browser decoded its pixels)."""
+        return bool(
+            self.driver.execute_script(
+                "const imgs = [...document.querySelectorAll(arguments[0])];"
+                "return imgs.length > 0 && imgs.every((i) => i.complete && i.naturalWidth > 0);",
+                selector,
+            )
+        )
 
     def results(self) -> list[Any]:
         return self._css("#results li")

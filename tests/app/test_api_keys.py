@@ -103,3 +103,33 @@ def test_a_keys_file_of_comments_stops_the_start(tmp_path: Path) -> None:
         create_app(settings_for(tmp_path, api_keys_file=tmp_path / "keys"))
     # an empty HCLIP_API_KEYS is unset, as compose passes one through: open, and it starts
     create_app(settings_for(tmp_path, api_keys=""))
+
+
+def test_the_demo_media_and_examples_need_a_key_when_keys_are_on(
+    vector_index, tmp_path: Path
+) -> None:
+    """They are records' payloads (images, clips, their labels): as guarded as /v1/records."""
+    root, _, _ = vector_index
+    media = tmp_path / "media"
+    (media / "images").mkdir(parents=True)
+    (media / "images" / "7.png").write_bytes(b"\x89PNG a record's image")
+    (media / "examples.json").write_text('{"image": [{"url": "/media/images/7.png"}]}')
+    (tmp_path / "secret.txt").write_text("outside the media folder")
+    with running(settings_for(root, api_keys="alpha", media_dir=media)) as client:
+        files = {"/media/images/7.png": "images/7.png", "/media/examples.json": "examples.json"}
+        for path in (*files, "/v1/demo/examples"):
+            assert client.get(path).status_code == 401, path
+            r = client.get(path, headers={"authorization": "Bearer alpha"})
+            assert r.status_code == 200, (path, r.text)
+            if path in files:
+                assert r.content == (media / files[path]).read_bytes()
+        for escape in (
+            "/media/../secret.txt",
+            "/media/%2e%2e/secret.txt",
+            "/media/images/../../secret.txt",
+        ):
+            r = client.get(escape, headers={"authorization": "Bearer alpha"})
+            assert r.status_code == 404 and b"outside" not in r.content, (escape, r.text)
+    with running(settings_for(root, media_dir=media)) as client:  # keys off: open, as before
+        assert client.get("/media/images/7.png").status_code == 200
+        assert client.get("/v1/demo/examples").json()["image"][0]["url"] == "/media/images/7.png"

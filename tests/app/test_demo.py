@@ -331,6 +331,15 @@ def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: P
             assert "nothing is left to retrieve" in page.search_failing()
             assert page.results() == [] and page.result_meta() == ""
         favicon = client.get("/favicon.ico")
+    # With keys on, the media are guarded too: the page fetches them with the key it was given.
+    with running(settings_for(root, media_dir=demo_dir, api_keys="sesame")) as keyed:
+        assert keyed.get(examples["image"][0]["url"]).status_code == 401
+        with SearchPage(str(keyed.base_url) + "/", key="sesame") as page:
+            page.wait.until(lambda d: page.images_shown("[data-example=image]"))
+            page.pick("image", 0)
+            page.pick("audio", 0)
+            assert len(page.search()) == 10
+            page.wait.until(lambda d: page.images_shown("#results img"))
         assert favicon.status_code == 200 and favicon.headers["content-type"] == "image/svg+xml"
     if os.environ.get("HCLIP_SAVE_SCREENSHOT"):
         shutil.copy(shot, REPO / os.environ["HCLIP_SAVE_SCREENSHOT"])
