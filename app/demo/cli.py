@@ -58,10 +58,20 @@ def voice_of(clip: str, word: str) -> str:
     return voices.get(written, written)
 
 
-def write_examples(data: Path) -> None:
-    """Held-out media for the page's pickers: never seen in training."""
+TASKS = {
+    "interaction": "Each record pairs an image of a digit a, a spoken digit b and the text of "
+    "(a + b) mod 10: query with any one or two of them, and the rest are retrieved.",
+    "shared": "Each record shows one digit three ways (an image, spoken, written): query with "
+    "any one or two of them, and the rest are retrieved.",
+}
+
+
+def write_examples(data: Path, dataset: str) -> None:
+    """Held-out media for the page's pickers (never seen in training), and the task the served
+    records hold, which the page states and checks each result against."""
     media = build_media(data)
     examples = {
+        "task": {"dataset": dataset, "line": TASKS[dataset]},
         "image": [
             {"url": f"/media/{media.images['held_out'][d][j]}", "label": str(d)}
             for j in range(2)
@@ -93,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     data.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     results = run_all(data, Recipe(), args.seed, progress=not args.quiet)
-    write_examples(data)
+    write_examples(data, args.dataset)
     root = ensure_index(data, args.dataset)
     log.info(
         "dataset, models and index ready in %.0f s (results in %s)",

@@ -1,7 +1,8 @@
 // The search page: plain JS against the public API; no build step.
 "use strict";
 
-const state = { info: null, examples: {}, query: {}, searches: 0 };
+const state = { info: null, examples: {}, query: {}, searches: 0, maxK: 100 };
+const LABEL_CHARS = 60;  // what a long query text is shown as: its start, never all of it
 const RECORD_MS = 2000;  // long enough to start speaking after the click
 const $ = (sel) => document.querySelector(sel);
 
@@ -37,6 +38,10 @@ function wavBlob(samples, rate) {
   return new Blob([buf], { type: "audio/wav" });
 }
 
+function short(text) {
+  return text.length > LABEL_CHARS ? `${text.slice(0, LABEL_CHARS - 1)}…` : text;
+}
+
 function setValue(name, value, label) {
   if (value === null) delete state.query[name]; else state.query[name] = value;
   const box = document.getElementById(`mod-${name}`);
@@ -67,7 +72,7 @@ function imageControls(name) {
     const img = el("img", { alt: `example ${item.label}`, title: item.label, "data-example": "image" });
     withMedia(img, item.url);
     img.onclick = () => pickURL(name, item.url, `example image (${item.label})`, img);
-    ex.append(img);
+    ex.append(el("figure", {}, img, el("figcaption", {}, item.label)));
   }
   const file = el("input", { type: "file", accept: "image/*" });
   file.onchange = async () => file.files[0] &&
@@ -170,7 +175,7 @@ function textControls(name, kind) {
     if (!raw) { setValue(name, null); return; }
     if (kind === "vector") {
       try { setValue(name, JSON.parse(raw), "a vector"); } catch { setValue(name, null); }
-    } else setValue(name, raw, `"${raw}"`);
+    } else setValue(name, raw, `"${short(raw)}"`);
   };
   return [ex, input];
 }
@@ -213,12 +218,32 @@ function shown(kind, p) {
     return img;
   }
   if (kind === "audio" && p.audio_url) {
-    const audio = el("audio", { controls: "", preload: "none" });
+    const audio = el("audio", { controls: "", preload: "metadata" });
     withMedia(audio, p.audio_url);
     return audio;
   }
   if (kind === "text" && p.text) return el("span", {}, `“${p.text}”`);
   return null;
+}
+
+// The demo's records carry their digits: the card says which the view retrieved, and whether
+// the record satisfies the task the page states (so a right answer does not look wrong).
+function digitsLine(digits, query) {
+  const parts = Object.entries(digits).map(([k, v]) =>
+    el("span", query.has(k) ? {} : { class: "retrieved" }, `${k} ${v}${query.has(k) ? "" : " (retrieved)"}`));
+  const line = el("div", { class: "meta" });
+  parts.forEach((part, i) => line.append(...(i ? [" · ", part] : [part])));
+  const task = (state.examples.task || {}).dataset;
+  const { image, audio, text } = digits;
+  let why = null;
+  if (task === "interaction") {
+    const ok = (image + audio) % 10 === text;
+    why = `${ok ? "✓" : "✗"} (${image} + ${audio}) mod 10 = ${(image + audio) % 10}${ok ? "" : `, not ${text}`}`;
+  } else if (task === "shared") {
+    why = image === audio && audio === text ? "✓ one digit" : "✗ not one digit";
+  }
+  if (why) line.append(el("div", { class: why.startsWith("✓") ? "why right" : "why wrong" }, why));
+  return line;
 }
 
 function renderResults(body) {
@@ -241,8 +266,7 @@ function renderResults(body) {
     }
     item.append(el("div", {}, el("span", { class: "score" }, r.score.toFixed(3)), ` ${r.id}`),
                 lead, rest);
-    if (p.digits) item.append(el("div", { class: "meta" },
-      Object.entries(p.digits).map(([k, v]) => `${k} ${v}`).join(" · ")));
+    if (p.digits) item.append(digitsLine(p.digits, query));
     list.append(item);
   }
 }
@@ -251,11 +275,20 @@ async function search() {
   showError("");
   const names = Object.keys(state.query);
   if (names.length === 0) { showError("choose at least one modality"); return; }
+  // k is checked here as the server checks it, in the server's words, whatever was typed
+  const raw = $("#k").value.trim();
+  const k = Number(raw);
+  if (raw === "" || !Number.isInteger(k) || k < 1 || k > state.maxK) {
+    showError(`invalid_input: k: must be between 1 and ${state.maxK} (HCLIP_MAX_K), got ${raw || "nothing"}`);
+    state.searches += 1;
+    document.body.dataset.searches = String(state.searches);
+    return;
+  }
   $("#status").textContent = "searching…";
   try {
     const res = await api("/v1/search", {
       method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ query: state.query, k: Number($("#k").value) || 10 }),
+      body: JSON.stringify({ query: state.query, k }),
     });
     const body = await res.json();
     if (!res.ok) { showError(`${body.error_type}: ${body.error}`); return; }
@@ -298,6 +331,14 @@ async function main() {
   state.inputs = state.info.model.inputs || state.info.model.modalities;
   const ex = await api("/v1/demo/examples");
   if (ex.ok) state.examples = await ex.json();
+  if (state.examples.task) $("#task").textContent = state.examples.task.line;
+  // the server's own bound on k, from its contract (specialised to its settings)
+  try {
+    const spec = await (await fetch("/openapi.json")).json();
+    const kSchema = spec.components.schemas.SearchRequest.properties.k.anyOf[0];
+    if (Number.isInteger(kSchema.maximum)) state.maxK = kSchema.maximum;
+  } catch { /* a server without the bound in its contract: the default stands */ }
+  $("#k").max = String(state.maxK);
   const m = state.info.model;
   $("#info").textContent = `${m.head} model ${m.fingerprint}, d = ${m.d}; index ${state.info.index_version}, ` +
     `${state.info.counts.records} records`;

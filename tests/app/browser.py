@@ -149,6 +149,26 @@ class SearchPage:
             )
         )
 
+    def set_k(self, value: str) -> None:
+        box = self._css("#k")[0]
+        box.clear()
+        box.send_keys(value)
+
+    def task(self) -> str:
+        return str(self._css("#task")[0].text)
+
+    def card_meta(self) -> list[str]:
+        """Each result card's digits line, as shown."""
+        return [str(m.text) for m in self._css("#results li .meta")]
+
+    def overflows(self) -> bool:
+        """The page is wider than the window: it scrolls sideways."""
+        return bool(
+            self.driver.execute_script(
+                "return document.documentElement.scrollWidth > window.innerWidth;"
+            )
+        )
+
     def results(self) -> list[Any]:
         return self._css("#results li")
 
@@ -175,6 +195,18 @@ class SearchPage:
 
     def screenshot(self, path: Path) -> None:
         self.driver.save_screenshot(str(path))
+
+    def full_screenshot(self, path: Path) -> None:
+        """The whole page, as wide and as tall as its content (Chrome's DevTools protocol): a
+        page that overflows its window sideways makes a picture wider than the window."""
+        import base64
+
+        size = self.driver.execute_cdp_cmd("Page.getLayoutMetrics", {})["cssContentSize"]
+        clip = {"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1}
+        shot = self.driver.execute_cdp_cmd(
+            "Page.captureScreenshot", {"captureBeyondViewport": True, "clip": clip}
+        )
+        path.write_bytes(base64.b64decode(shot["data"]))
 
 
 def search_with_examples(url: str, screenshot: Path, picks: dict[str, int]) -> list[str]:

@@ -190,7 +190,7 @@ def test_pipeline_on_a_tiny_budget(demo_dir: Path, monkeypatch) -> None:
     assert pipeline.run_all(demo_dir, recipe, seed=0, progress=False) == results  # reused
     root = pipeline.ensure_index(demo_dir, "interaction")
     assert artifact.read_manifest(artifact.current_version_dir(root))["counts"]["records"] == 60
-    write_examples(demo_dir)
+    write_examples(demo_dir, "interaction")
     ex = json.loads((demo_dir / "examples.json").read_text())
     assert len(ex["image"]) == 20 and len(ex["audio"]) == 20 and len(ex["text"]) == 10
 
@@ -320,17 +320,46 @@ def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: P
             page.clear("text")
             assert page.text_box("text") == ""
             assert page.type_text("text", "the number two") == '"the number two"'
+            # the page states the task, and each card says what was retrieved and why it fits
+            assert page.task().startswith("Each record pairs an image of a digit a, a spoken")
             # each card leads with what the view retrieved: image + text query the audio
             page.pick("image", 2)
             page.search()
             assert page.result_meta().startswith("view image+text, retrieving audio")
             for card in page.results():
                 assert page.lead_and_minor(card) == (["audio"], ["image", "text"])
+            top = page.card_meta()[0]
+            assert "(retrieved)" in top and top.count("(retrieved)") == 1, top
+            assert "✓ (" in top and "mod 10" in top, top
+            # k is checked as the server checks it, in its words, before anything is sent
+            for k in ("0", "2.5", "101"):
+                page.set_k(k)
+                assert page.search_failing() == (
+                    f"invalid_input: k: must be between 1 and 100 (HCLIP_MAX_K), got {k}"
+                )
+            page.set_k("51")
+            assert len(page.search()) == 51
+            page.set_k("10")
+            # a long text is not echoed whole
+            page.clear("text")
+            page.type_text("text", "seven " * 2000)
+            assert len(page.chosen("text")) < 80, page.chosen("text")
+            page.clear("text")
+            page.type_text("text", "the number two")
             # an error replaces the answer before it: no stale results under the message
             page.pick("audio", 1)
             assert "nothing is left to retrieve" in page.search_failing()
             assert page.results() == [] and page.result_meta() == ""
         favicon = client.get("/favicon.ico")
+        # a phone's width: one column, nothing scrolls sideways
+        with SearchPage(url) as page:
+            page.driver.set_window_size(420, 900)
+            page.pick("image", 1)
+            page.search()
+            narrow = tmp_path / "narrow.png"
+            page.full_screenshot(narrow)
+            assert png_width(narrow) <= 420, png_width(narrow)
+            assert not page.overflows()
     # With keys on, the media are guarded too: the page fetches them with the key it was given.
     with running(settings_for(root, media_dir=demo_dir, api_keys="sesame")) as keyed:
         assert keyed.get(examples["image"][0]["url"]).status_code == 401
@@ -343,6 +372,10 @@ def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: P
         assert favicon.status_code == 200 and favicon.headers["content-type"] == "image/svg+xml"
     if os.environ.get("HCLIP_SAVE_SCREENSHOT"):
         shutil.copy(shot, REPO / os.environ["HCLIP_SAVE_SCREENSHOT"])
+
+
+def png_width(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[16:20], "big")  # the IHDR's first field
 
 
 def test_examples_are_absent_outside_demo_mode(vector_index) -> None:
