@@ -85,7 +85,11 @@ def ensure_espeak() -> str:
                 f"with `apt-get install espeak-ng` and run the demo again. apt-get said:\n{tail}"
             )
     if not exe:
-        raise DemoError("the demo needs espeak-ng: install it with `apt-get install espeak-ng`")
+        raise DemoError(
+            "the demo needs espeak-ng (it speaks the spoken digits), and only root can install "
+            "it here: run `sudo apt-get install espeak-ng` (Debian, Ubuntu) or `brew install "
+            "espeak-ng` (macOS), then the demo again"
+        )
     return exe
 
 

@@ -7,16 +7,19 @@ import functools
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
 from models.errors import PretrainedError
 
 FETCH_HINT = (
-    "fetch it once on a machine with access (`huggingface-cli download {name}` or "
+    "fetch it once on a machine with access (`hf download {name}` or "
     "`AutoModel.from_pretrained('{name}').save_pretrained(DIR)` with its processor) and give "
     "the directory as `model`"
 )
+# What the Hub accepts as a model id: a name, or an owner and a name. Anything else is a path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".json", ".txt", ".model")
 
 
@@ -28,7 +31,7 @@ def resolve(name: str) -> Path:
     if path.is_dir():
         return _model_dir(path)
     moved = _in_towers_dir(path)
-    if path.is_absolute() or name.startswith("."):
+    if path.is_absolute() or name.startswith(".") or not HUB_ID.fullmatch(name):
         if moved is not None:
             return moved
         raise PretrainedError(f"model directory {path} does not exist{_elsewhere(path)}")
@@ -39,10 +42,11 @@ def resolve(name: str) -> Path:
     except Exception:  # not in the local cache (or not a valid id): no network here
         if moved is not None:
             return moved
+        # "towers/clip" may be a folder or a hub id: the message serves both readings
         raise PretrainedError(
             f"model {name!r} is neither a directory (beside the config, or from the working "
-            f"directory) nor in the local Hugging Face cache, nor in HCLIP_TOWERS_DIR; "
-            f"{_hint(name)}"
+            f"directory) nor in the local Hugging Face cache, nor in HCLIP_TOWERS_DIR. As a hub "
+            f"id: {_hint(name)}. As a folder: `hf download HUB_ID --local-dir {name}` there"
         ) from None
 
 
@@ -64,7 +68,7 @@ def _elsewhere(path: Path) -> str:
     if towers:
         return f", nor does {Path(towers) / path.name} (HCLIP_TOWERS_DIR)"
     return (
-        f": fetch the tower once on a machine with access (`huggingface-cli download HUB_ID "
+        f": fetch the tower once on a machine with access (`hf download HUB_ID "
         f"--local-dir {path}`) or copy it there; for a model trained on another machine, set "
         f"HCLIP_TOWERS_DIR to a directory that holds it as {path.name}/"
     )

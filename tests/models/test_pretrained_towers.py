@@ -449,8 +449,15 @@ def test_clear_errors(towers, tmp_path, capsys) -> None:
         build_encoder(cfg, 8)
     hub = ModalityConfig.from_dict({"kind": "transformers", "model": "someone/not-here",
                                     "input": "text"}, "m")  # fmt: skip
-    with pytest.raises(PretrainedError, match="nor in the local Hugging Face cache"):
+    with pytest.raises(PretrainedError, match="nor in the local Hugging Face cache") as err:
         build_encoder(hub, 8)
+    assert "`hf download someone/not-here`" in str(err.value)
+    assert "`hf download HUB_ID --local-dir someone/not-here`" in str(err.value)
+    # a relative path that cannot be a hub id is named as a path, never looked up as one
+    nested = ModalityConfig.from_dict({"kind": "transformers", "model": "towers/clip/v1",
+                                       "input": "text"}, "m")  # fmt: skip
+    with pytest.raises(PretrainedError, match=r"model directory towers/clip/v1 does not exist"):
+        build_encoder(nested, 8)
     mixed = tmp_path / "mixed"
     shutil.copytree(towers["vit"], mixed)
     shutil.copy(towers["w2v"] / "preprocessor_config.json", mixed / "preprocessor_config.json")
