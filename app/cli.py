@@ -98,16 +98,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     args = build_parser(_command(argv)).parse_args(argv)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
+    # The job named in every error: `hclip index build`, not `hclip index`.
+    doing = " ".join(["hclip", args.command, *filter(None, [getattr(args, "index_command", None)])])
     try:
         return int(args.func(args))
     except Exception as exc:
         if isinstance(exc, user_errors()):
-            print(f"hclip {args.command}: error: {exc}", file=sys.stderr)
+            print(f"{doing}: error: {exc}", file=sys.stderr)
             return 2
         if isinstance(exc, OSError) and exc.errno in FILESYSTEM_ERRNOS and exc.filename:
             from indexer.store.artifact import storage_error  # light: no torch
 
-            doing = f"hclip {args.command}"
             print(f"{doing}: error: {storage_error(exc, 'stopped', Path(exc.filename))}",
                   file=sys.stderr)  # fmt: skip
             return 1

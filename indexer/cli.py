@@ -274,9 +274,10 @@ def _verify(args: argparse.Namespace) -> int:
         for p in problems:
             print(f"  {p}")
         bad += bool(problems)
-    current = artifact.read_current(args.root)
-    if current and not artifact.version_dir(args.root, current).is_dir():
-        print(f"CURRENT names {current}, which does not exist")
+    try:
+        artifact.published(args.root)
+    except artifact.CurrentError as exc:
+        print(f"CURRENT: FAILED\n  {exc}")
         bad += 1
     return 1 if bad else 0
 
@@ -296,7 +297,7 @@ def _gc(args: argparse.Namespace) -> int:
 
     removed = artifact.gc(args.root, args.keep)
     print(f"removed {len(removed)} version(s){': ' + ', '.join(removed) if removed else ''}")
-    with artifact.root_lock(args.root):
+    with artifact.root_lock(args.root, "gc"):
         dropped = milvus.drop_unpublished(args.root)
     if dropped:
         print(f"dropped {len(dropped)} Milvus collection(s) of removed versions")

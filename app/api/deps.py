@@ -21,7 +21,7 @@ async def serving_of(state: AppState) -> ServingVersion:
     if serving is None:
         serving = await state.versions.wait_serving(state.settings.request_timeout_s)
     if serving is None:
-        raise NotReady("no index version is loaded yet")
+        raise NotReady(state.versions.not_ready())
     return serving
 
 

@@ -76,7 +76,7 @@ def install(app: FastAPI) -> None:
         return response
 
     async def backend_down(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(BackendDown(str(exc)), request_id(request))
+        return error_response(BackendDown.of(exc), request_id(request))
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(BackendUnavailable, backend_down)

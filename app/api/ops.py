@@ -28,17 +28,25 @@ async def healthz() -> JSONResponse:
     "/readyz",
     response_model=Ready,
     responses=errors(503),
-    summary="Readiness: every worker serves a version",
+    summary="Readiness: every worker serves a version that can answer",
 )
 async def readyz(state: State) -> JSONResponse:
-    # Ready means every worker serves a version now: no waiting for one here.
-    current = state.versions.current
+    # Ready means every worker serves a version that can answer now: no waiting for one here.
+    versions = state.versions
+    problem = await versions.probe()  # cached a second: /readyz stays cheap
+    current = versions.current
     if current is None:
-        raise NotReady(state.versions.not_ready())
+        raise NotReady(versions.not_ready())
+    if problem is not None:
+        raise NotReady(problem)
     others = state.workers.not_ready()
     if others is not None:
         raise NotReady(others)
-    return JSONResponse({"status": "ready", "index_version": current.version})
+    body: dict[str, Any] = {"status": "ready", "index_version": current.version}
+    warning = versions.warning()
+    if warning is not None:  # CURRENT names no version: another serves meanwhile
+        body["warning"] = warning
+    return JSONResponse(body)
 
 
 def _rejected(state: AppState) -> list[dict[str, object]]:

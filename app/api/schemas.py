@@ -214,6 +214,7 @@ class Health(BaseModel):
 class Ready(BaseModel):
     status: str
     index_version: str
+    warning: str | None = None  # CURRENT names no version of the root: what serves instead
 
 
 class ViewInfo(BaseModel):

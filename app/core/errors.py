@@ -21,7 +21,10 @@ One status per class of mistake:
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -99,6 +102,15 @@ class BackendDown(ApiError):
 
     status, error_type = 503, "backend_unavailable"
     retry_after_s = 2.0
+
+    @classmethod
+    def of(cls, exc: Exception) -> BackendDown:
+        """The one place a backend's failure (indexer.store.artifact.BackendUnavailable) becomes
+        the service's: the client gets the service's own words (`public`), never the client
+        library's text or the backend's address; the detail is logged where the call failed
+        (indexer.store.milvus_served)."""
+        log.debug("backend unavailable: %s", exc)
+        return cls(getattr(exc, "public", None) or "the vector database is unavailable")
 
 
 class VersionRejected(ApiError):

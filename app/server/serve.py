@@ -13,6 +13,7 @@ environment, as HCLIP_* variables; /metrics adds up every worker's figures
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -34,6 +35,10 @@ HEALTHCHECK_S = 60
 
 class PortInUse(OSError):
     pass
+
+
+class CannotServe(ValueError):
+    """A setting the workers could not serve with, found before any starts."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,6 +69,37 @@ def check_port(host: str, port: int) -> None:
             raise PortInUse(f"cannot bind {host}:{port}: {exc.strerror}") from None
 
 
+def milvus_lite_path(settings: Settings) -> str | None:
+    """The Milvus Lite path the workers would open, if any: HCLIP_MILVUS_URI, else the published
+    version's or the root's backend (indexer.store.milvus)."""
+    from indexer.store import artifact, milvus
+
+    uris = [settings.milvus_uri] if settings.milvus_uri else []
+    if not uris:
+        root = settings.root
+        with contextlib.suppress(artifact.ArtifactError):  # the workers report a broken root
+            vid = artifact.published(root)
+            manifest = artifact.read_manifest(artifact.version_dir(root, vid)) if vid else {}
+            block = manifest.get("backend") or {}
+            if block.get("kind") == "milvus":
+                uris.append(str(block["uri"]))
+            config = milvus.read_root(root) or {}
+            if config.get("kind") == "milvus" and config.get("uri"):
+                uris.append(str(config["uri"]))
+    return next((u for u in uris if milvus.is_lite(u)), None)
+
+
+def check_workers(settings: Settings) -> None:
+    """CannotServe now when the workers would share what only one process can open."""
+    lite = milvus_lite_path(settings) if settings.workers > 1 else None
+    if lite is not None:
+        raise CannotServe(
+            f"the views are in Milvus Lite at {lite}, which one process at a time can open, "
+            f"and {settings.workers} workers would each open it: serve with --workers 1, or "
+            "run a Milvus server on it and give its URI (HCLIP_MILVUS_URI=http://HOST:19530)"
+        )
+
+
 def serve(settings: Settings, on_listening: Callable[[], None] | None = None) -> None:
     """Serve until stopped. `on_listening` (one process only) is called once the server
     listens, its version loaded: when a user can open the page."""
@@ -73,6 +109,7 @@ def serve(settings: Settings, on_listening: Callable[[], None] | None = None) ->
 
     Keys.of(settings)  # keys that cannot be had stop the start here, not in every worker
     check_port(settings.host, settings.port)
+    check_workers(settings)
     if settings.workers == 1:
         from app.main import create_app
 
@@ -131,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         serve(settings)
-    except PortInUse as exc:
+    except (PortInUse, CannotServe) as exc:
         print(f"hclip serve: error: {exc}", file=sys.stderr)
         return 2
     return 0

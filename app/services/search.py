@@ -93,7 +93,7 @@ class SearchService:
         except InputError as exc:  # the query factor overflowed
             raise InvalidInput(str(exc)) from None
         except BackendUnavailable as exc:  # Milvus, for a version whose views live there
-            raise BackendDown(str(exc)) from None
+            raise BackendDown.of(exc) from None
         await self.cache.set(key, encoded, s.cache_ttl_s)
         # The cached form lacks the `cached` flag: it is spliced in as the first key, so neither
         # a hit nor a miss serialises the results twice.

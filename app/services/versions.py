@@ -41,6 +41,7 @@ from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
 EMPTY_ROOT_LOG_S = 60.0  # how often a root with no published version is said so
+PROBE_TTL_S = 1.0  # /readyz probes the served version at most this often
 
 
 class FailedChecks(VersionRejected):
@@ -185,6 +186,10 @@ class VersionManager:
         self._lock = asyncio.Lock()
         self._loaded = asyncio.Event()  # set once a version serves
         self._told_empty = -math.inf  # when the root was last said to hold no version
+        self.health: str | None = None  # why the served version cannot answer, by its last probe
+        self._probed_at = -math.inf
+        self._probe_lock = asyncio.Lock()
+        self.fallback: str | None = None  # why no version serves in place of a missing one
         self.checked = CheckedVersions(settings.checked_dir)
         self.board = board or WorkerBoard(None, 1)  # tells the other workers what this serves
 
@@ -260,7 +265,7 @@ class VersionManager:
         s = self.settings
         delay = min(s.reload_retry_max_s, s.reload_retry_s * 2 ** (attempts - 1))
         rejection = Rejection(self._relative(reason), attempts, time.monotonic() + delay, files)
-        self.rejected = {version_id: rejection}  # only the version CURRENT names matters
+        self.rejected[version_id] = rejection
         self.metrics.reloads.labels(outcome="rejected").inc()
         self.metrics.rejected_versions.set(len(self.rejected))
         retry = (
@@ -282,51 +287,139 @@ class VersionManager:
             return signature_or_none(artifact.version_dir(self.root, version_id)) != rejected.files
         return time.monotonic() >= rejected.retry_at
 
-    def _forget_rejections(self) -> None:
-        if self.rejected:
-            self.rejected = {}
-            self.metrics.rejected_versions.set(0)
+    def _forget_rejections(self, keep: str | None = None) -> None:
+        """Forget every refusal but `keep`'s (the version CURRENT names)."""
+        if set(self.rejected) - {keep}:
+            self.rejected = {v: r for v, r in self.rejected.items() if v == keep}
+            self.metrics.rejected_versions.set(len(self.rejected))
 
     async def refresh(self, force: bool = False) -> bool:
         """Load the version CURRENT names if it is new; True when a swap happened. A version
-        rejected before is tried again once its backoff has passed (at once when forced)."""
+        rejected before is tried again once its backoff has passed (at once when forced). When
+        CURRENT names no version directory of the root (garbage, a path, a version removed),
+        that is reported and the newest version that loads serves instead (`_fall_back`)."""
         async with self._lock:
             version_id = artifact.read_current(self.root)
             if version_id is None:
                 return False
+            problem = artifact.current_problem(self.root, version_id)
+            if problem is not None:
+                return await self._fall_back(version_id, problem, force)
+            self.fallback = None
             if self.current is not None and self.current.version == version_id:
                 self._forget_rejections()  # CURRENT went back to what serves: nothing refused
                 return False
-            rejected = self.rejected.get(version_id)
-            if rejected is not None and not force and not self._retry_due(version_id, rejected):
-                return False
-            vdir = artifact.version_dir(self.root, version_id)
-            files = signature_or_none(vdir)  # before the checks: what they will have read
-            t0 = time.perf_counter()
+            self._forget_rejections(keep=version_id)  # only the version CURRENT names matters
+            return await self._load(version_id, force)
+
+    async def _load(self, version_id: str, force: bool) -> bool:
+        """Open `version_id` and swap it in (True), unless it was refused and its retry is not
+        due (False); VersionRejected, recorded, when it cannot be served."""
+        rejected = self.rejected.get(version_id)
+        if rejected is not None and not force and not self._retry_due(version_id, rejected):
+            return False
+        vdir = artifact.version_dir(self.root, version_id)
+        files = signature_or_none(vdir)  # before the checks: what they will have read
+        t0 = time.perf_counter()
+        try:
+            serving = await asyncio.get_running_loop().run_in_executor(None, self._open, version_id)
+        except VersionRejected as exc:
+            lasting = isinstance(exc, FailedChecks) and files is not None
+            self._reject(version_id, exc.message, files if lasting else None)
+            raise
+        took = time.perf_counter() - t0
+        self.metrics.load_seconds.set(took)
+        old = self.current
+        self.current = serving
+        self.health, self._probed_at = None, time.monotonic()  # it answered its warm-up
+        self._loaded.set()
+        self.rejected.pop(version_id, None)
+        self.metrics.rejected_versions.set(len(self.rejected))
+        self.metrics.set_version(version_id)
+        self.board.serving(version_id)
+        self.metrics.reloads.labels(outcome="loaded").inc()
+        log.info(
+            "serving version %s (was %s), opened in %.3f s",
+            version_id,
+            old.version if old else "none",
+            took,
+        )
+        return True
+
+    async def _fall_back(self, named: str, problem: str, force: bool) -> bool:
+        """CURRENT names `named`, which is no version of the root (`problem`): reported as
+        refused; what serves serves on if it can answer and is not `named` itself, else the
+        newest version, in the order of publication, that loads serves instead."""
+        if named not in self.rejected:
+            self._reject(named, problem, None)
+        serving = self.current
+        if serving is not None and serving.version == named:  # removed from under this worker
+            self._drop(serving, problem)
+        elif serving is not None and self.health is None:
+            return False
+        others = [v for v in reversed(artifact.versions_in_order(self.root)) if v != named]
+        for version_id in others:
             try:
-                serving = await asyncio.get_running_loop().run_in_executor(
-                    None, self._open, version_id
-                )
-            except VersionRejected as exc:
-                lasting = isinstance(exc, FailedChecks) and files is not None
-                self._reject(version_id, exc.message, files if lasting else None)
-                raise
-            took = time.perf_counter() - t0
-            self.metrics.load_seconds.set(took)
-            old = self.current
-            self.current = serving
-            self._loaded.set()
-            self._forget_rejections()  # a version CURRENT no longer names is not tried again
-            self.metrics.set_version(version_id)
-            self.board.serving(version_id)
-            self.metrics.reloads.labels(outcome="loaded").inc()
-            log.info(
-                "serving version %s (was %s), opened in %.3f s",
-                version_id,
-                old.version if old else "none",
-                took,
-            )
-            return True
+                if await self._load(version_id, force):
+                    self.fallback = None
+                    log.warning("%s: serving version %s instead", problem, version_id)
+                    return True
+            except VersionRejected:
+                continue
+        tried = "; ".join(f"{v}: {self.rejected[v].reason}" for v in others if v in self.rejected)
+        self.fallback = (
+            f"no other version in {self.root / artifact.VERSIONS} to serve instead"
+            if not others
+            else f"no other version can be served instead ({tried or 'none loaded yet'})"
+        )
+        return False
+
+    def _drop(self, serving: ServingVersion, reason: str) -> None:
+        """Stop serving a version that can no longer answer (its files or collections gone):
+        requests that hold it finish on it; new ones are told why nothing serves."""
+        if self.current is not serving:
+            return
+        self.current = None
+        self._loaded.clear()
+        if serving.version not in self.rejected:
+            self._reject(serving.version, reason, None)
+        self.board.failing(self._relative(reason))
+
+    async def probe(self, max_age_s: float = PROBE_TTL_S) -> str | None:
+        """Why the served version cannot answer now (None: it can, or nothing serves), from a
+        probe at most `max_age_s` old: a stat per file, or each Milvus collection looked up
+        (and loaded when released). A version whose files or collections are gone stops
+        serving (`_drop`), and the next refresh looks for one to serve."""
+        async with self._probe_lock:
+            serving = self.current
+            if serving is None or time.monotonic() - self._probed_at < max_age_s:
+                return self.health if serving is not None else None
+            health: str | None = None
+            try:
+                await asyncio.get_running_loop().run_in_executor(None, serving.index.probe)
+            except artifact.VersionGone as exc:
+                self._drop(serving, str(exc))
+            except artifact.BackendUnavailable as exc:
+                health = self._relative(f"version {serving.version} cannot answer: {exc}")
+            self._probed_at = time.monotonic()
+            if self.current is serving and health != self.health:
+                if health is None:
+                    self.board.serving(serving.version)
+                else:
+                    self.board.failing(health)
+            self.health = health if self.current is serving else None
+            return self.health
+
+    def warning(self) -> str | None:
+        """Why what serves is not the version CURRENT names, when CURRENT names none of the
+        root's (what /readyz adds to its 200)."""
+        named = artifact.read_current(self.root)
+        if named is None or self.current is None or self.current.version == named:
+            return None
+        problem = artifact.current_problem(self.root, named)
+        if problem is None:
+            return None
+        return self._relative(f"{problem}; serving version {self.current.version} instead")
 
     def publish_hint(self) -> str:
         root = self.root.resolve()
@@ -336,10 +429,14 @@ class VersionManager:
         )
 
     def not_ready(self) -> str:
-        """Why no version serves, for /readyz and the log."""
+        """Why no version serves, for /readyz, a request refused and the log."""
         version_id = artifact.read_current(self.root)
         if version_id is None:
             return self.publish_hint()
+        problem = artifact.current_problem(self.root, version_id)
+        if problem is not None:
+            then = self.fallback or "looking for another version to serve"
+            return self._relative(f"{problem}; {then}")
         rejected = self.rejected.get(version_id)
         if rejected is not None:
             return f"version {version_id} cannot be served: {rejected.reason}"
@@ -373,6 +470,8 @@ class VersionManager:
         version_id = artifact.read_current(self.root)
         if version_id is None or version_id in self.rejected:
             return None
+        if artifact.current_problem(self.root, version_id) is not None:
+            return None  # nothing to wait for: CURRENT names no version of the root
         try:
             await asyncio.wait_for(self._loaded.wait(), timeout_s)
         except TimeoutError:
@@ -383,6 +482,7 @@ class VersionManager:
         while True:
             self._tell_if_empty()
             try:
+                await self.probe(max_age_s=0.0)  # a version gone stops serving before the refresh
                 await self.refresh()
             except VersionRejected:
                 pass

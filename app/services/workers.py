@@ -3,10 +3,11 @@ sees the others: which serve a version, so that /readyz answers 200 only when ev
 search; and each worker's tie to the manager, so that none outlives it.
 
 Each worker keeps a file named by its process id in HCLIP_WORKERS_DIR (a directory `hclip serve`
-makes and removes) holding the version it serves. A worker that died (killed, crashed) leaves
-its file behind; whoever reads the board next drops it, and its live metrics with it
-(`on_gone`). uvicorn restarts a dead worker; its replacement writes a file of its own once it
-serves.
+makes and removes) holding the version it serves, or, after FAILING, why it cannot answer (its
+version's files or collections gone, its backend not answering). A worker that died (killed,
+crashed) leaves its file behind; whoever reads the board next drops it, and its live metrics
+with it (`on_gone`). uvicorn restarts a dead worker; its replacement writes a file of its own
+once it serves.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 PARENT_CHECK_S = 1.0  # how often a worker looks whether its manager is still there
+FAILING = "!"  # a worker's file starting so says why it cannot answer, not what it serves
 
 
 def _alive(pid: int) -> bool:
@@ -45,11 +47,19 @@ class WorkerBoard:
         self.pid = os.getpid()
 
     def serving(self, version: str) -> None:
-        """This worker serves `version` now (written whole: readers never see half a file)."""
+        """This worker serves `version` now."""
+        self._write(version)
+
+    def failing(self, reason: str) -> None:
+        """This worker cannot answer, for `reason`, until it says `serving` again."""
+        self._write(FAILING + reason)
+
+    def _write(self, text: str) -> None:
+        """Written whole: readers never see half a file."""
         if self.directory is None:
             return
         tmp = self.directory / f".{self.pid}.tmp"
-        tmp.write_text(version)
+        tmp.write_text(text)
         os.replace(tmp, self.directory / str(self.pid))
 
     def leave(self) -> None:
@@ -58,7 +68,11 @@ class WorkerBoard:
                 (self.directory / str(self.pid)).unlink()
 
     def versions(self) -> dict[int, str]:
-        """Live worker -> the version it serves; the files of dead workers are dropped."""
+        """Live worker -> the version it serves."""
+        return {pid: t for pid, t in self._states().items() if not t.startswith(FAILING)}
+
+    def _states(self) -> dict[int, str]:
+        """Live worker -> what its file says; the files of dead workers are dropped."""
         if self.directory is None:
             return {}
         out: dict[int, str] = {}
@@ -80,7 +94,12 @@ class WorkerBoard:
         """Why not every worker can search yet (None when they all can)."""
         if self.directory is None:
             return None
-        serving = len(self.versions())
+        states = self._states()
+        failing = {p: t for p, t in states.items() if t.startswith(FAILING) and p != self.pid}
+        if failing:
+            pid, why = min(failing.items())
+            return f"worker {pid} cannot answer: {why[len(FAILING) :]}"
+        serving = sum(not t.startswith(FAILING) for t in states.values())
         if serving >= self.expected:
             return None
         return f"{serving} of {self.expected} workers serve a version; the others are starting"

@@ -23,7 +23,7 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
     model = load_model(model_dir).to_inference(opts.device, field="--device")
     block = _model_block(model_dir, fingerprint(model_dir))
     files = RecordFiles.resolve(records_path)
-    with artifact.root_lock(root):
+    with artifact.root_lock(root, "build"):
         artifact.clean_staging(root)
         target = choose_backend(root, opts)
         stage = artifact.staging_dir(root, artifact.new_version_id())
@@ -42,7 +42,7 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
             plan = PublishPlan(
                 root=root,
                 stage=stage,
-                parent=artifact.read_current(root),
+                parent=_parent(root),
                 model=model,
                 model_block=block,
                 opts=opts,
@@ -54,6 +54,13 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
                 target=target,
             )
             return publish(plan)
+
+
+def _parent(root: Path) -> str | None:
+    """The published version, if CURRENT names one of the root: a build mends a CURRENT that
+    names none (it publishes over it), and records no garbage as its parent."""
+    current = artifact.read_current(root)
+    return current if current and artifact.current_problem(root, current) is None else None
 
 
 def _model_block(model_dir: Path, fp: str) -> dict[str, Any]:

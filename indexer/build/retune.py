@@ -115,7 +115,7 @@ def tune_version(
 ) -> tuple[Path, dict[str, Any]]:
     """Publish a new version whose `views` (default: all) are tuned for recall@10 >= target;
     (its path, its manifest)."""
-    with artifact.root_lock(root):
+    with artifact.root_lock(root, "tune"):
         artifact.clean_staging(root)
         old = artifact.current_version_dir(root)
         manifest = artifact.read_manifest(old)

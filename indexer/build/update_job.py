@@ -50,7 +50,7 @@ def update(
     if upsert is None and delete is None:
         raise RecordError("update needs --upsert FILE and/or --delete IDS_FILE")
     layout_given = spec_given or opts.views is not None or opts.filter_fields is not None
-    with artifact.root_lock(root):
+    with artifact.root_lock(root, "update"):
         artifact.clean_staging(root)
         old = artifact.current_version_dir(root)
         manifest = artifact.read_manifest(old)

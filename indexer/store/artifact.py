@@ -1,8 +1,10 @@
 """The versioned index artifact (docs/design.md §5): layout, manifests, checksums, atomic
 publication.
 
-    ROOT/CURRENT                    id of the published version, replaced atomically
-    ROOT/versions/<id>/             complete before CURRENT names it, never modified afterwards
+    ROOT/CURRENT                    id of the published version, replaced atomically: the
+                                    name of a directory in ROOT/versions, nothing else
+    ROOT/versions/<id>/             complete before CURRENT names it, never modified afterwards;
+                                    its manifest's `sequence` orders the publications
     ROOT/.staging/<id>/             a version being written; removed by the next run if it died
     ROOT/.lock                      held (filelock: flock) by the one build, update or gc running
 
@@ -53,7 +55,22 @@ class ArtifactError(RuntimeError):
 
 class BackendUnavailable(RuntimeError):
     """The store a version's views live in (Milvus, indexer.store.milvus) did not answer in
-    time or refused the call: worth trying again; the service answers 503 meanwhile."""
+    time or refused the call: worth trying again; the service answers 503 meanwhile. `public`
+    is what a client may be told (no addresses, no library's error text); the message has the
+    detail, for the log and the command line."""
+
+    def __init__(self, message: str, public: str = "the vector database is unavailable"):
+        super().__init__(message)
+        self.public = public
+
+
+class VersionGone(ArtifactError):
+    """A version that served lost what it is served from: its files under the root, or its
+    collections in Milvus."""
+
+
+class CurrentError(ArtifactError):
+    """CURRENT names something other than a version directory inside the root."""
 
 
 class StorageError(ArtifactError):
@@ -141,21 +158,33 @@ def start_writeback_tree(path: Path) -> None:
 
 
 @contextmanager
-def root_lock(root: Path) -> Iterator[None]:
-    """Exclusive writer lock on ROOT, taken at once or not at all; an flock underneath, which
-    the kernel releases when the holder dies (SIGKILL too)."""
-    root.mkdir(parents=True, exist_ok=True)
+def root_lock(root: Path, job: str) -> Iterator[None]:
+    """Exclusive writer lock on ROOT for `job` (build, update, tune, gc, rollback), taken at once
+    or not at all; an flock underneath, which the kernel releases when the holder dies (SIGKILL
+    too). A filesystem that refuses the lock (read-only, gone) is one line naming the job."""
     lock = FileLock(root / LOCK, timeout=0)
     try:
+        root.mkdir(parents=True, exist_ok=True)
         lock.acquire()
     except Timeout:
         raise ArtifactError(
             f"{root}: another build, update or gc is running (it holds {root / LOCK})"
         ) from None
+    except OSError as exc:
+        raise storage_error(exc, f"{job}: taking the lock of the index root {root}", root) from None
     try:
         yield
     finally:
         lock.release()
+
+
+@contextmanager
+def doing(job: str, what: str, where: Path) -> Iterator[None]:
+    """A filesystem's refusal while `job` does `what` under `where`, as one line naming them."""
+    try:
+        yield
+    except OSError as exc:
+        raise storage_error(exc, f"{job}: {what}", where) from None
 
 
 def clean_staging(root: Path) -> list[str]:
@@ -242,6 +271,36 @@ def file_matches(path: Path, meta: Mapping[str, Any]) -> bool:
     return sha256_file(path) == meta.get("sha256")
 
 
+SEQUENCE = "sequence"  # the manifest's place in the root's publications: 1, 2, ...
+
+
+def sequence_of(vdir: Path) -> int:
+    """A version's place in the order of publication; 0 for one published before the
+    manifest recorded it (or unreadable): those come first, in the order of their ids."""
+    try:
+        seq = read_manifest(vdir).get(SEQUENCE)
+    except ArtifactError:
+        return 0
+    return seq if isinstance(seq, int) and not isinstance(seq, bool) else 0
+
+
+def versions_in_order(root: Path) -> list[str]:
+    """Every version under versions/, oldest publication first: by the manifests' sequence,
+    not by the ids' timestamps, which a clock stepped back puts out of order."""
+    vroot = root / VERSIONS
+    if not vroot.is_dir():
+        return []
+    keyed = [(sequence_of(p), p.name) for p in vroot.iterdir() if p.is_dir()]
+    return [name for _, name in sorted(keyed)]
+
+
+def next_sequence(root: Path) -> int:
+    """One past every publication so far; only with the root lock held."""
+    vroot = root / VERSIONS
+    seqs = [sequence_of(p) for p in vroot.iterdir() if p.is_dir()] if vroot.is_dir() else []
+    return max(seqs, default=0) + 1
+
+
 def publish(
     root: Path,
     stage: Path,
@@ -252,6 +311,7 @@ def publish(
     staged version into versions/, then point CURRENT at it. `check` gets the staged directory
     once complete; any problem it names stops here."""
     version_id = manifest["version"]
+    manifest[SEQUENCE] = next_sequence(root)
     start_writeback_tree(stage)
     # The checksums (blake3, which lets go of the GIL) are taken beside the check, which reads
     # the manifest without its file table.
@@ -287,11 +347,39 @@ def write_current(root: Path, version_id: str) -> None:
 
 
 def read_current(root: Path) -> str | None:
+    """What CURRENT says, unchecked (None: no CURRENT, or an empty one); `published` checks
+    that it names a version of this root."""
     try:
-        text = (root / CURRENT).read_text().strip()
+        text = (root / CURRENT).read_bytes().decode("utf-8", "replace").strip()
     except FileNotFoundError:
         return None
     return text or None
+
+
+def current_problem(root: Path, version_id: str) -> str | None:
+    """Why `version_id` (what CURRENT says) is not a version directory inside the root."""
+    where = f"{root / CURRENT} names {version_id[:200]!r}"
+    if version_id in (".", "..") or any(c in version_id for c in "/\\\0"):
+        return f"{where}, which is not a version name (one directory name of {root / VERSIONS})"
+    vdir = version_dir(root, version_id)
+    if vdir.is_symlink() and vdir.resolve().parent != (root / VERSIONS).resolve():
+        return f"{where}, a link to {vdir.resolve()}, outside {root / VERSIONS}"
+    if not vdir.is_dir():
+        return f"{where}, which is not in {root / VERSIONS} (removed?)"
+    return None
+
+
+def published(root: Path) -> str | None:
+    """The version CURRENT names (None: nothing published yet); CurrentError, naming the path,
+    when it names anything but a version directory inside the root. The one check of CURRENT:
+    the service, verify, update, tune, rollback and gc all go through it."""
+    version_id = read_current(root)
+    if version_id is None:
+        return None
+    problem = current_problem(root, version_id)
+    if problem is not None:
+        raise CurrentError(problem)
+    return version_id
 
 
 def read_manifest(vdir: Path) -> dict[str, Any]:
@@ -312,17 +400,17 @@ def read_manifest(vdir: Path) -> dict[str, Any]:
 
 
 def current_version_dir(root: Path) -> Path:
-    vid = read_current(root)
+    vid = published(root)
     if vid is None:
         raise ArtifactError(f"{root}: no published version (run `hclip index build` first)")
     return version_dir(root, vid)
 
 
 def list_versions(root: Path) -> list[dict[str, Any]]:
+    """Every version, oldest publication first."""
     current = read_current(root)
     rows = []
-    vroot = root / VERSIONS
-    for vdir in sorted(vroot.iterdir()) if vroot.is_dir() else []:
+    for vdir in (version_dir(root, v) for v in versions_in_order(root)):
         try:
             m = read_manifest(vdir)
         except ArtifactError as exc:
@@ -344,46 +432,58 @@ def list_versions(root: Path) -> list[dict[str, Any]]:
 def rollback(
     root: Path, to: str | None, check: Callable[[Path], list[str]]
 ) -> tuple[str | None, str]:
-    """Point CURRENT at an older version (default: the newest one before the published one),
-    once `check` finds nothing wrong with it; as atomic as a publish. (was, now)."""
-    with root_lock(root):
-        current = read_current(root)
-        vroot = root / VERSIONS
-        versions = sorted(p.name for p in vroot.iterdir()) if vroot.is_dir() else []
+    """Point CURRENT at an older version (default: the one published before the published one),
+    once `check` finds nothing wrong with it; as atomic as a publish. (was, now). With --to, a
+    CURRENT that names no version of the root is mended; without, it is refused."""
+    with root_lock(root, "rollback"):
+        order = versions_in_order(root)
         if to is None:
-            older = [v for v in versions if current is None or v < current]
+            try:
+                current = published(root)
+            except CurrentError as exc:
+                raise CurrentError(f"{exc}; name the version to publish with --to") from None
+            older = order[: order.index(current)] if current in order else order
             if not older:
                 raise ArtifactError(
                     f"{root}: no version older than the published one ({current}) to roll back to"
                 )
             to = older[-1]
-        elif to not in versions:
-            raise ArtifactError(
-                f"{root}: no version {to!r} (`hclip index list --root {root}` lists them)"
-            )
+        else:
+            try:
+                current = published(root)
+            except CurrentError as exc:
+                log.warning("%s: rollback --to %s replaces it", exc, to)
+                current = None
+            if to not in order:
+                raise ArtifactError(
+                    f"{root}: no version {to!r} (`hclip index list --root {root}` lists them)"
+                )
         if to == current:
             raise ArtifactError(f"{root}: version {to} is already the published one")
         problems = check(version_dir(root, to))
         if problems:
             raise ArtifactError(f"version {to} cannot be published again: {problems[0]}")
-        write_current(root, to)
+        with doing("rollback", f"pointing {root / CURRENT} at version {to}", root):
+            write_current(root, to)
         return current, to
 
 
 def gc(root: Path, keep: int) -> list[str]:
-    """Keep the newest `keep` versions and the published one; remove the rest."""
+    """Keep the `keep` versions published last and the published one; remove the rest. A
+    CURRENT that names no version of the root stops it: what it meant to keep is unknown."""
     if keep < 1:
         raise ArtifactError("gc: --keep must be at least 1")
-    with root_lock(root):
-        clean_staging(root)
-        current = read_current(root)
-        vroot = root / VERSIONS
-        versions = sorted(p.name for p in vroot.iterdir()) if vroot.is_dir() else []
+    with root_lock(root, "gc"):
+        current = published(root)
+        with doing("gc", f"removing what dead runs left in {root / STAGING}", root):
+            clean_staging(root)
+        versions = versions_in_order(root)
         doomed = [v for v in versions[:-keep] if v != current]
         for v in doomed:
             # Rename first so that a crash mid-delete never leaves a half-version in versions/.
             trash = root / STAGING / f"gc-{v}"
-            trash.parent.mkdir(exist_ok=True)
-            os.rename(version_dir(root, v), trash)
-            shutil.rmtree(trash)
+            with doing("gc", f"removing version {v}", version_dir(root, v)):
+                trash.parent.mkdir(exist_ok=True)
+                os.rename(version_dir(root, v), trash)
+                shutil.rmtree(trash)
         return doomed

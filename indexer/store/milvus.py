@@ -29,6 +29,7 @@ import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import orjson
 
@@ -166,6 +167,12 @@ def is_transient(exc: BaseException) -> bool:
     return type(exc).__module__.startswith(("grpc", "pymilvus"))
 
 
+def is_lite(uri: str) -> bool:
+    """A Milvus Lite data path, which one process at a time can open (pymilvus starts a Milvus
+    Lite of its own on it), not the address of a server: pymilvus's own test."""
+    return urlparse(uri).scheme.lower() not in ("unix", "http", "https", "tcp", "grpc")
+
+
 def connect(uri: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
     """A MilvusClient for `uri` (a Milvus Lite file path, or http://host:19530), with the
     token from HCLIP_MILVUS_TOKEN."""
@@ -178,7 +185,9 @@ def connect(uri: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
         )
     except Exception as exc:
         if is_transient(exc):
-            raise BackendUnavailable(f"Milvus at {uri}: cannot connect ({reason(exc)})") from None
+            raise BackendUnavailable(
+                f"Milvus at {uri}: cannot connect ({reason(exc)})", public(exc, timeout_s)
+            ) from None
         raise
 
 
@@ -190,12 +199,40 @@ def call(client: Any, uri: str, timeout_s: float, method: str, *args: Any, **kwa
     except Exception as exc:
         if not is_transient(exc):
             raise
-        raise BackendUnavailable(f"Milvus at {uri}: {method} failed ({reason(exc)})") from None
+        raise BackendUnavailable(
+            f"Milvus at {uri}: {method} failed ({reason(exc)})", public(exc, timeout_s)
+        ) from None
+
+
+_GRPC_STATUS = re.compile(r"status = StatusCode\.(\w+)")
+_GRPC_DETAILS = re.compile(r'details = "([^"]*)"')
 
 
 def reason(exc: BaseException) -> str:
-    text = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    return " ".join(str(text).split())[:300]
+    """An error of the client in one short line: a gRPC error's status and details, not its
+    repr (`<_InactiveRpcError of RPC that terminated with: ...>`)."""
+    text = " ".join(str(getattr(exc, "message", None) or exc or type(exc).__name__).split())
+    status = _GRPC_STATUS.search(text)
+    if status is not None:
+        details = _GRPC_DETAILS.search(text)
+        text = status.group(1) + (f": {details.group(1)}" if details else "")
+    return text[:300]
+
+
+def timed_out(exc: BaseException) -> bool:
+    text = str(getattr(exc, "message", None) or exc)
+    return (
+        isinstance(exc, TimeoutError)
+        or "DEADLINE_EXCEEDED" in text
+        or "Timeout" in type(exc).__name__
+    )
+
+
+def public(exc: BaseException, timeout_s: float) -> str:
+    """What a client is told of a failed call: the service's words, none of the client's."""
+    if timed_out(exc):
+        return f"the vector database (Milvus) did not answer within {timeout_s:g} s"
+    return "the vector database (Milvus) is unreachable or refused the call"
 
 
 def literal(value: str) -> str:

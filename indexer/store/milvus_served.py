@@ -254,6 +254,7 @@ class MilvusVersion:
         expected = {backend["records"]: int(manifest["counts"]["records"])}
         for name, entry in manifest["views"].items():
             expected[backend["views"][name]["collection"]] = int(entry["count"])
+        self.collections = list(expected)
         for collection, count in expected.items():
             if not self.calls("has_collection", collection):
                 raise BackendError(
@@ -275,6 +276,24 @@ class MilvusVersion:
     @property
     def fingerprint(self) -> str:
         return str(self.manifest["model"]["fingerprint"])
+
+    def probe(self) -> None:
+        """Can this version answer? VersionGone when its manifest or one of its collections is
+        no longer there (Milvus restarted without its data, a collection dropped);
+        BackendUnavailable when Milvus does not answer. A collection Milvus holds but released
+        (a restart with its data) is loaded again here, before a search needs it."""
+        if not (self.path / artifact.MANIFEST).is_file():
+            raise artifact.VersionGone(f"version {self.version}: {self.path} is gone")
+        held = set(self.calls("list_collections"))
+        for collection in self.collections:
+            if collection not in held:
+                raise artifact.VersionGone(
+                    f"version {self.version}: Milvus at {self.uri} no longer holds its "
+                    f"collection {collection} (restarted without its data, or dropped)"
+                )
+            state = self.calls("get_load_state", collection)["state"]
+            if getattr(state, "name", str(state)) != "Loaded":
+                self.calls("load_collection", collection)
 
     def mask_of(self, view: Any, flt: dict[str, Any]) -> str:
         """A filter as the expression the view's collection is searched with."""
@@ -313,6 +332,7 @@ def verify_backend(vdir: Path, manifest: dict[str, Any], timeout_s: float = 60.0
             if not calls("has_collection", collection):
                 problems.append(f"Milvus collection {collection}: missing")
                 continue
+            calls("load_collection", collection)  # released by a restart: loaded, then read
             held = int(calls("get_collection_stats", collection)["row_count"])
             if held != count:
                 problems.append(f"Milvus collection {collection}: {held} rows, manifest {count}")

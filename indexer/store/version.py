@@ -60,6 +60,16 @@ class LoadedVersion:
         for name, entry in self.manifest["views"].items():
             self.views[name] = self._open_view(name, entry, mmap)
 
+    def probe(self) -> None:
+        """VersionGone when a file this version is served from is no longer under the root (its
+        memory maps would go on answering, but nothing restarted could): a stat a file."""
+        for rel in [artifact.MANIFEST, *self.manifest.get("files", {})]:
+            if not (self.path / rel).is_file():
+                raise artifact.VersionGone(
+                    f"version {self.version}: {self.path / rel} is gone (the version was removed "
+                    "while it served)"
+                )
+
     def _embeddings(self, name: str, count: int) -> np.ndarray:
         arr = np.load(embedding_path(self.path, name), mmap_mode="r")
         d = int(self.manifest["d"])

@@ -339,3 +339,90 @@ def test_a_killed_build_leaves_current_and_its_collections_are_dropped_next(
     assert len(left) == 7 and all(v2.replace("-", "_") in c for c in left), left
     client.drop_collection(sorted(left)[0])
     assert run_cli("index", "verify", "--root", root) == 1
+
+
+# -- ready means able to answer, on Milvus -------------------------------------------------------
+
+
+def test_milvus_restarted_without_its_data_is_not_ready_and_says_why(tmp_path) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root, port = tmp_path / "root", free_port()
+    with milvus_server(tmp_path / "milvus", port) as (uri, proc):
+        v1 = build_index(root, model, records_v("v1", 100), tmp_path, "--backend", "milvus",
+                         "--milvus-uri", uri)  # fmt: skip
+        settings = settings_for(root, milvus_timeout_s=2.0, reload_retry_s=0.2)
+        with running(settings) as client:
+            assert client.get("/readyz").json()["index_version"] == v1
+            body = {"query": {"a": [0.1] * 6}, "k": 3}
+            assert client.post("/v1/search", json=body).status_code == 200
+            proc.kill()  # Milvus goes; one comes back on its address with nothing in it
+            proc.wait()
+            with milvus_server(tmp_path / "empty", port):  # the same address, no data
+
+                def says_gone() -> bool:
+                    r = client.get("/readyz")
+                    return r.status_code == 503 and "cannot be served" in r.json()["error"]
+
+                wait_until(says_gone, 30)  # once the client has reconnected
+                ready = client.get("/readyz").json()
+                assert f"version {v1} cannot be served" in ready["error"], ready
+                assert "no longer holds its collection" in ready["error"] or (
+                    "has no collection" in ready["error"]
+                ), ready
+                body = {"query": {"a": [0.2] * 6}, "k": 3}  # not cached
+                r = client.post("/v1/search", json=body)
+                assert r.status_code == 503 and r.json()["error_type"] == "not_ready", r.text
+                assert v1 in r.json()["error"]
+
+
+def test_a_hung_milvus_is_answered_in_the_services_own_words(tmp_path) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root = tmp_path / "root"
+    with milvus_server(tmp_path / "milvus") as (uri, proc):
+        build_index(root, model, records_v("v1", 100), tmp_path, "--backend", "milvus",
+                    "--milvus-uri", uri)  # fmt: skip
+        settings = settings_for(root, milvus_timeout_s=1.0, request_timeout_s=10.0)
+        with running(settings) as client:
+            proc.send_signal(signal.SIGSTOP)
+            try:
+                r = client.post("/v1/search", json={"query": {"a": [0.3] * 6}, "k": 3})
+                assert r.status_code == 503, r.text
+                error = r.json()["error"]
+                assert r.json()["error_type"] == "backend_unavailable", r.text
+                assert error == "the vector database (Milvus) did not answer within 1 s", error
+                ready = client.get("/readyz")
+                assert ready.status_code == 503 and "_InactiveRpcError" not in ready.text
+            finally:
+                proc.send_signal(signal.SIGCONT)
+            wait_until(lambda: client.get("/readyz").status_code == 200, 20)
+
+
+def test_verify_loads_a_collection_a_restart_released(tmp_path, capsys) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root, data, port = tmp_path / "root", tmp_path / "milvus", free_port()
+    with milvus_server(data, port) as (uri, _):
+        build_index(root, model, records_v("v1", 100), tmp_path, "--backend", "milvus",
+                    "--milvus-uri", uri)  # fmt: skip
+    with milvus_server(data, port):  # back with its data, every collection released
+        assert run_cli("index", "verify", "--root", root) == 0, capsys.readouterr().out
+
+
+def test_a_milvus_lite_path_with_more_than_one_worker_is_refused_at_start(tmp_path) -> None:
+    from indexer.store import milvus
+
+    root = tmp_path / "root"
+    root.mkdir()
+    milvus.write_root(root, "milvus", str(tmp_path / "milvus.db"))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--root", str(root), "--port",
+           str(free_port())]  # fmt: skip
+    done = subprocess.run([*cmd, "--workers", "2"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("hclip serve: error: ") and "milvus.db" in line, done.stderr
+    assert "--workers 1" in line and "HCLIP_MILVUS_URI" in line
+    env["HCLIP_MILVUS_URI"] = str(tmp_path / "other.db")  # the setting, over the root's
+    done = subprocess.run([*cmd, "--workers", "3"], env=env, capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 2 and "other.db" in done.stderr, done.stderr

@@ -156,3 +156,97 @@ def test_a_request_waits_for_a_published_version_its_worker_is_still_loading(
             pools.shutdown()
 
     asyncio.run(main())
+
+
+# -- ready means able to answer: the served version's files gone, CURRENT naming no version ---
+
+
+def test_a_version_removed_while_it_serves_is_reported_and_the_previous_one_serves(
+    tmp_path: Path, vector_index
+) -> None:
+    import shutil
+
+    from tests.app.conftest import running, settings_for, wait_until
+
+    _, model_dir, _ = vector_index
+    root = tmp_path / "root"
+    v1 = build_index(root, model_dir, records_v("v1", n=200), tmp_path)
+    v2 = build_index(root, model_dir, records_v("v2", n=200, seed=1), tmp_path)
+    with running(settings_for(root)) as client:
+        assert client.get("/readyz").json()["index_version"] == v2
+        shutil.rmtree(root / "versions" / v2)  # its memory maps would go on answering
+        wait_until(lambda: client.get("/readyz").json().get("index_version") == v1, 10)
+        ready = client.get("/readyz").json()
+        assert f"names '{v2}', which is not in versions" in ready["warning"], ready
+        info = client.get("/v1/info").json()
+        assert info["index_version"] == v1
+        assert [r["version"] for r in info["rejected_versions"]] == [v2]
+        body = {"query": {"a": [0.1] * DIMS["a"]}, "k": 3}
+        hits = client.post("/v1/search", json=body).json()
+        assert hits["index_version"] == v1 and hits["results"][0]["id"].startswith("v1-")
+
+
+def test_the_only_version_removed_is_not_ready_and_says_why_at_once(
+    tmp_path: Path, vector_index
+) -> None:
+    """Every worker, the one that served it and one started after: /readyz 503 naming the
+    version gone, and a search refused at once with that reason (no wait for a version
+    'being loaded')."""
+    import shutil
+
+    _, model_dir, _ = vector_index
+    root = tmp_path / "root"
+    v1 = build_index(root, model_dir, records_v("v1", n=200), tmp_path)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = start_server(root, port, workers=2)
+    try:
+        wait_ready(url, proc)
+        shutil.rmtree(root / "versions" / v1)
+        deadline = time.monotonic() + 10
+        seen: set[str] = set()
+        while time.monotonic() < deadline and len(seen) < 2:  # both workers say so
+            with httpx.Client(base_url=url, timeout=5) as c:
+                r = c.get("/readyz")
+            if r.status_code == 503 and f"names '{v1}', which is not in versions" in r.text:
+                seen.add(r.headers["x-hclip-instance"])
+            time.sleep(0.05)
+        assert len(seen) == 2, seen
+        t0 = time.monotonic()
+        status, _ = search(url, 1)
+        assert status == 503 and time.monotonic() - t0 < 2.0
+        with httpx.Client(base_url=url, timeout=20) as c:
+            r = c.post("/v1/search", json={"query": {"a": [0.1] * DIMS["a"]}, "k": 3})
+        assert r.status_code == 503 and r.json()["error_type"] == "not_ready"
+        assert "no other version" in r.json()["error"] and "being loaded" not in r.text
+    finally:
+        stop(proc)
+
+
+def test_current_naming_garbage_or_a_path_outside_the_root_is_refused(
+    tmp_path: Path, vector_index
+) -> None:
+    """A cold start: CURRENT naming a path to another root's version serves none of it, but
+    the root's own newest version, saying why; CURRENT naming nothing at all is not ready,
+    saying why, not 'being loaded'."""
+    from indexer.store import artifact
+    from tests.app.conftest import running, settings_for, wait_until
+
+    _, model_dir, _ = vector_index
+    other = build_index(tmp_path / "otherroot", model_dir, records_v("x", n=100), tmp_path)
+    root = tmp_path / "root"
+    v1 = build_index(root, model_dir, records_v("v1", n=100), tmp_path)
+    artifact.write_current(root, f"../../otherroot/versions/{other}")
+    assert (artifact.version_dir(root, artifact.read_current(root) or "")).is_dir()
+    with running(settings_for(root)) as client:
+        ready = client.get("/readyz").json()
+        assert ready["index_version"] == v1, ready
+        assert "which is not a version name" in ready["warning"]
+    solo = tmp_path / "solo"
+    (solo / "versions").mkdir(parents=True)
+    (solo / "CURRENT").write_bytes(b"\xff\xfe garbage\n")
+    with running(settings_for(solo), wait_ready=False) as client:
+        wait_until(lambda: client.get("/readyz").status_code == 503)
+        r = client.get("/readyz").json()
+        assert "CURRENT names" in r["error"] and "no other version in" in r["error"], r
+        assert "being loaded" not in r["error"]

@@ -118,7 +118,7 @@ def test_a_second_writer_is_refused_while_one_holds_the_lock(tmp_path: Path, cap
     model = make_model_dir(tmp_path / "m")
     write_jsonl(tmp_path / "r.jsonl", vector_records(30, DIMS))
     root = tmp_path / "root"
-    with artifact.root_lock(root):
+    with artifact.root_lock(root, "build"):
         assert index_build(model, tmp_path / "r.jsonl", root) == 2
     assert "another build, update or gc is running" in capsys.readouterr().err
 
@@ -154,3 +154,60 @@ def test_the_full_check_recomputes_every_view_across_chunks(
     problems = verify_contents(vdir)
     assert "view a+c: rows differ from the records that have ('b',)" in problems  # its target
     assert len(problems) == 2
+
+
+def test_rollback_and_gc_follow_the_order_of_publication_not_the_clock(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Three builds, the clock stepped back an hour before the second and again before the
+    third: their ids sort v2 < v3 < v1, but rollback goes to the parent each time and gc keeps
+    the last published."""
+    import types
+
+    model = make_model_dir(tmp_path / "m")
+    write_jsonl(tmp_path / "r.jsonl", vector_records(30, DIMS))
+    root = tmp_path / "root"
+    published = []
+    for now in (2_000_000_000.0, 1_999_996_400.0, 1_999_998_000.0):
+        clock = types.SimpleNamespace(time=lambda now=now: now, gmtime=time.gmtime,
+                                      strftime=time.strftime)  # fmt: skip
+        monkeypatch.setattr(artifact, "time", clock)  # the ids' timestamp source
+        assert index_build(model, tmp_path / "r.jsonl", root) == 0
+        published.append(artifact.read_current(root))
+    v1, v2, v3 = published
+    assert sorted(published) == [v2, v3, v1]  # the clock's order
+    assert [r["version"] for r in artifact.list_versions(root)] == [v1, v2, v3]
+    assert run_cli("index", "rollback", "--root", root) == 0
+    assert artifact.read_current(root) == v2
+    assert run_cli("index", "rollback", "--root", root) == 0
+    assert artifact.read_current(root) == v1
+    assert run_cli("index", "rollback", "--root", root) == 2
+    assert "no version older than the published one" in capsys.readouterr().err
+    artifact.write_current(root, v3)
+    assert run_cli("index", "gc", "--root", root, "--keep", "2") == 0
+    assert [r["version"] for r in artifact.list_versions(root)] == [v2, v3]
+
+
+def test_current_naming_a_path_outside_the_root_is_refused_everywhere(
+    tmp_path: Path, capsys
+) -> None:
+    model = make_model_dir(tmp_path / "m")
+    write_jsonl(tmp_path / "r.jsonl", vector_records(30, DIMS))
+    other, root = tmp_path / "otherroot", tmp_path / "root"
+    assert index_build(model, tmp_path / "r.jsonl", other) == 0
+    assert index_build(model, tmp_path / "r.jsonl", root) == 0
+    mine = artifact.read_current(root)
+    outside = f"../../otherroot/versions/{artifact.read_current(other)}"
+    artifact.write_current(root, outside)
+    capsys.readouterr()
+    assert run_cli("index", "verify", "--root", root) == 1
+    out = capsys.readouterr().out
+    assert f"{root / 'CURRENT'} names {outside!r}, which is not a version name" in out, out
+    for argv in (("gc", "--keep", "1"), ("rollback",)):
+        assert run_cli("index", *argv[:1], "--root", root, *argv[1:]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"hclip index {argv[0]}: error: {root / 'CURRENT'} names {outside!r}" in err, err
+    assert len(list((root / "versions").iterdir())) == 1  # gc removed nothing
+    assert run_cli("index", "rollback", "--root", root, "--to", mine) == 0  # mends it
+    assert artifact.published(root) == mine
+    assert run_cli("index", "verify", "--root", root) == 0

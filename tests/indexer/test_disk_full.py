@@ -57,7 +57,7 @@ def test_disk_full_is_one_line_and_publishes_nothing(tmp_path: Path, small_fs: P
     assert full.returncode == 2, full.stderr
     assert "Traceback" not in full.stderr
     last = full.stderr.strip().splitlines()[-1]
-    assert last.startswith("hclip index: error: writing version "), last
+    assert last.startswith("hclip index build: error: writing version "), last
     assert f"under {root}; nothing was published" in last
     assert "No space left on device" in last or "the filesystem is full" in last, last
     assert "free of 2.0 MiB there" in last, last
@@ -67,3 +67,22 @@ def test_disk_full_is_one_line_and_publishes_nothing(tmp_path: Path, small_fs: P
     assert list((root / artifact.STAGING).iterdir()) == []
     for v in artifact.list_versions(root):
         assert verify(artifact.version_dir(root, v["version"])) == [], v
+
+
+def test_a_read_only_root_names_the_job_and_what_it_was_doing(
+    tmp_path: Path, small_fs: Path
+) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root = small_fs / "root"
+    write_jsonl(tmp_path / "small.jsonl", vector_records(50, DIMS, seed=0))
+    build = ("index", "build", "--model", model, "--records", tmp_path / "small.jsonl",
+             "--root", root, "--quiet")  # fmt: skip
+    assert hclip(*build).returncode == 0
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    for argv, job in ((build, "build"), (("index", "gc", "--root", root), "gc")):
+        done = hclip(*argv)
+        assert done.returncode == 2, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"hclip index {job}: error: {job}: taking the lock of the index "
+                               f"root {root}: Read-only file system ({root}"), last  # fmt: skip
+        assert "Traceback" not in done.stderr
