@@ -364,12 +364,13 @@ class _Core:
         out = yield from self._exchange("POST", "/v1/embed", body)
         return np.asarray(out["embeddings"], np.float32)
 
+    # The query forms: they take any id (a path segment cannot hold a '/').
     def _record(self, record_id: str) -> Call[Record]:
-        obj = yield from self._exchange("GET", f"/v1/records/{_quote(record_id)}")
+        obj = yield from self._exchange("GET", f"/v1/records?id={_quote(record_id)}")
         return Record(obj["id"], obj["payload"], obj["modalities"], obj["index_version"])
 
     def _record_embeddings(self, record_id: str) -> Call[RecordEmbeddings]:
-        obj = yield from self._exchange("GET", f"/v1/records/{_quote(record_id)}/embeddings")
+        obj = yield from self._exchange("GET", f"/v1/embeddings?id={_quote(record_id)}")
         embs = {m: np.asarray(v, np.float32) for m, v in obj["embeddings"].items()}
         return RecordEmbeddings(obj["id"], obj["index_version"], obj["model_fingerprint"], embs)
 

@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             action="store_true",
             help="report bad records and leave them out instead of failing",
         )
+        sp.add_argument(
+            "--media-root",
+            type=Path,
+            metavar="DIR",
+            help="media paths in records may lead anywhere inside DIR (default: only inside "
+            "the records file's folder); paths out of it, symlinks included, are bad records",
+        )
         sp.add_argument("--quiet", action="store_true", help="no progress bar")
         sp.add_argument(
             "--engine",
@@ -177,6 +184,7 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
         milvus_uri=args.milvus_uri,
         shards=args.shards,
         device=args.device,
+        media_root=args.media_root,
     )
     if args.spec:
         opts.spec = IndexSpec.parse(args.spec)

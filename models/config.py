@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from models.limits import DEFAULT_LIMITS, InputLimits
 
 ENCODER_KINDS = ("vector", "embedding", "text", "image", "audio", "plugin", "transformers")
 PRETRAINED_INPUTS = ("image", "audio", "text")
@@ -295,6 +297,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # steps between resumable checkpoints; 0: none
     queue_size: int = 0  # negatives kept from earlier batches (full_conditional loss); 0: none
     queue_momentum: float = 0.999  # with a queue: EMA rate of the candidates' encoders (MoCo)
+    media_root: str | None = None  # where media paths may lead; None: the records file's folder
 
     @staticmethod
     def from_dict(obj: Any) -> TrainConfig:
@@ -304,6 +307,9 @@ class TrainConfig:
         records = _req(obj, "records", "train.")
         if not isinstance(records, str) or not records:
             raise ConfigError("train.records: expected a path string")
+        media_root = obj.get("media_root")
+        if media_root is not None and (not isinstance(media_root, str) or not media_root):
+            raise ConfigError("train.media_root: expected a directory path string")
         loss = obj.get("loss", "full_conditional")
         if loss not in LOSSES:
             raise ConfigError(f"train.loss: unknown loss {loss!r} (known: {', '.join(LOSSES)})")
@@ -325,6 +331,7 @@ class TrainConfig:
             ),
             queue_size=_int(obj.get("queue_size", 0), "train.queue_size", minimum=0),
             queue_momentum=_fraction(obj.get("queue_momentum", 0.999), "train.queue_momentum"),
+            media_root=media_root,
         )
 
 
@@ -339,6 +346,16 @@ class RunConfig:
     @property
     def records_path(self) -> Path:
         return (self.base_dir / self.train.records).resolve()
+
+    def input_limits(self) -> InputLimits:
+        """What decoding a training record may read: files inside train.media_root (resolved
+        like train.records), else inside the records file's folder."""
+        if self.train.media_root is None:
+            return DEFAULT_LIMITS
+        root = (self.base_dir / self.train.media_root).resolve()
+        if not root.is_dir():
+            raise ConfigError(f"train.media_root: {root} is not a directory")
+        return replace(DEFAULT_LIMITS, media_root=root)
 
     @staticmethod
     def from_dict(obj: Any, base_dir: Path) -> RunConfig:

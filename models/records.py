@@ -10,6 +10,8 @@ from typing import Any
 
 import orjson
 
+from models.limits import string_problem
+
 
 class RecordError(ValueError):
     """A record is malformed; the message names its line and id."""
@@ -21,6 +23,9 @@ class RecordError(ValueError):
         record_id: str | None = None,
         file: str | None = None,
     ):
+        if record_id is not None and not record_id.isascii():
+            # A lone surrogate, written as its escape: the message and the rejected list print.
+            record_id = record_id.encode("utf-8", "backslashreplace").decode("utf-8")
         where = [file] if file is not None else []
         if line is not None:
             where.append(f"line {line}")
@@ -80,8 +85,12 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 yield line_no, parse_line(line, line_no)
 
 
-def record_id(obj: dict[str, Any], line: int) -> str:
+def record_id(obj: dict[str, Any], line: int | None) -> str:
+    """The record's id: a non-empty string that can be stored and looked up exactly."""
     rid = obj.get("id")
     if not isinstance(rid, str) or not rid:
         raise RecordError("'id' must be a non-empty string", line=line)
+    problem = string_problem(rid)
+    if problem is not None:
+        raise RecordError(f"'id' {problem}", line, rid)
     return rid

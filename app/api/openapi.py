@@ -22,7 +22,8 @@ from app.api.schemas import BatchSearchRequest, EmbedRequest, SearchRequest
 from app.core.settings import Settings
 from app.services.versions import ServingVersion
 
-DATA_URI = r"^data:[^,]*;base64,"
+# A data: URI of the kind's own type, application/octet-stream or none (models.encoders.media).
+DATA_URI = r"^data:({kind}/[^,;]*|application/octet-stream)?(;[^,]*)?;base64,"
 # Bodies the routes read themselves (app.api.http.json_body): their schemas are added here.
 REQUEST_MODELS = (SearchRequest, BatchSearchRequest, EmbedRequest)
 
@@ -44,8 +45,9 @@ def raw_input_schema(kind: str, dim: int | None, settings: Settings) -> dict[str
         what = "an image (PNG, JPEG...)" if kind == "image" else "a PCM WAV clip"
         return {
             "type": "string",
-            "pattern": DATA_URI,
-            "description": f"{what} as a base64 data: URI",
+            "pattern": DATA_URI.format(kind=kind),
+            "description": f"{what} as a base64 data: URI of type {kind}/*, "
+            "application/octet-stream or none",
         }
     if dim is not None:
         return numbers(

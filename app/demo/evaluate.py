@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch
 from app.demo.data import relevant
 from models.encoders import decode
 from models.heads import default_views, split_modalities, view_name
+from models.limits import DEFAULT_LIMITS
 from models.model import MultimodalModel
 
 MODALITIES = ("image", "audio", "text")
@@ -26,9 +28,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 def embed(
     model: MultimodalModel, rows: list[dict[str, Any]], base: Path
 ) -> dict[str, torch.Tensor]:
+    # The records sit one level below the media they name (app.demo.data.make_records).
+    limits = replace(DEFAULT_LIMITS, media_root=base.parent)
     out = {}
     for m in MODALITIES:
-        items = [decode(r[m], model.cfg.modalities[m], base) for r in rows]
+        items = [decode(r[m], model.cfg.modalities[m], base, limits) for r in rows]
         out[m] = torch.cat([model.encode(m, items[i : i + 256]) for i in range(0, len(items), 256)])
     return out
 

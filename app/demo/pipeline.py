@@ -104,6 +104,6 @@ def ensure_index(data: Path, dataset: str) -> Path:
             data / dataset / "model-hclip",
             data / dataset / "gallery.jsonl",
             root,
-            JobOptions(progress=False),
+            JobOptions(progress=False, media_root=data),  # the records name "../images/..."
         )
     return root

@@ -20,6 +20,7 @@ from models.checkpoint import fingerprint, load_model, read_config
 
 def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> JobResult:
     """A full build: every record of `records_path` (a file, a directory or a glob)."""
+    limits = opts.input_limits()
     model = load_model(model_dir).to_inference(opts.device, field="--device")
     block = _model_block(model_dir, fingerprint(model_dir))
     files = RecordFiles.resolve(records_path)
@@ -31,7 +32,7 @@ def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> 
             fields = opts.filter_fields or ()
             views = views_writer(stage, model, opts)
             writer = RowWriter(stage, model.names, model.cfg.latent_dim, fields, views)
-            validator = Validator(model, files.base_dir, opts.skip_bad, fields)
+            validator = Validator(model, files.base_dir, opts.skip_bad, fields, limits=limits)
             admission = Admission(files, opts.skip_bad)
             start = time.perf_counter()
             try:

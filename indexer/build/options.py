@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from indexer.ingest.sources import CHUNK_ROWS
-from indexer.search.specs import IndexSpec
+from indexer.search.specs import IndexSpec, SpecError
+from models.limits import DEFAULT_LIMITS, InputLimits
 
 if TYPE_CHECKING:
     from indexer.ingest.validate import Rejected
@@ -32,6 +33,16 @@ class JobOptions:
     milvus_uri: str | None = None  # None: the root's
     shards: int = 1  # Milvus shards per collection
     device: str = "auto"  # where the local engine encodes: auto (a GPU if any), cpu, cuda
+    media_root: Path | None = None  # where records' media paths may lead; None: their folder
+
+    def input_limits(self) -> InputLimits:
+        """What decoding a record may read: files inside media_root (else the records file's
+        folder), with the default size limits."""
+        if self.media_root is None:
+            return DEFAULT_LIMITS
+        if not Path(self.media_root).is_dir():
+            raise SpecError(f"--media-root {self.media_root}: not a directory")
+        return replace(DEFAULT_LIMITS, media_root=Path(self.media_root).resolve())
 
 
 @dataclass

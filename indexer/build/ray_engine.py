@@ -37,7 +37,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -66,7 +66,7 @@ from indexer.ingest.sources import (
 )
 from indexer.ingest.validate import Rows, Validator
 from models.checkpoint import fingerprint, load_model
-from models.limits import InputError
+from models.limits import DEFAULT_LIMITS, InputError
 from models.model import MultimodalModel
 from models.progress import Progress
 from models.records import RecordError
@@ -161,14 +161,20 @@ class EncodeShards:
         filter_types: dict[str, str],
         shard_dir: str,
         batch_size: int,
+        media_root: str | None = None,
     ):
         import torch
 
         torch.set_num_threads(1)  # one CPU per actor: Ray schedules them by it
         self.model = load_model(Path(model_dir))
         self.fingerprint = fingerprint(Path(model_dir))
+        limits = replace(DEFAULT_LIMITS, media_root=Path(media_root) if media_root else None)
         validator = Validator(
-            self.model, Path(base_dir), filter_fields=filter_fields, filter_types=filter_types
+            self.model,
+            Path(base_dir),
+            filter_fields=filter_fields,
+            filter_types=filter_types,
+            limits=limits,
         )
         self.checker = ChunkChecker(validator)
         self.shard_dir = Path(shard_dir)
@@ -365,6 +371,7 @@ class RayJob:
         block_rows: int,
     ) -> list[dict[str, Any]]:
         resolved = RecordFiles(tuple(p.resolve() for p in files.files), files.parquet)
+        media_root = validator.limits.media_root
         plan = EncodePlan(
             resolved,
             block_rows,
@@ -376,6 +383,7 @@ class RayJob:
                 "filter_types": dict(validator.filter_types),
                 "shard_dir": str(shard_dir.resolve()),
                 "batch_size": self.batch_size,
+                "media_root": None if media_root is None else str(media_root),
             },
         )
         expected = fingerprint(self.model_dir)

@@ -50,6 +50,7 @@ def update(
     if upsert is None and delete is None:
         raise RecordError("update needs --upsert FILE and/or --delete IDS_FILE")
     layout_given = spec_given or opts.views is not None or opts.filter_fields is not None
+    limits = opts.input_limits()
     with artifact.root_lock(root, "update"):
         artifact.clean_staging(root)
         old = artifact.current_version_dir(root)
@@ -80,7 +81,9 @@ def update(
             try:
                 encoded = 0
                 if files is not None:
-                    validator = Validator(model, files.base_dir, opts.skip_bad, fields, types)
+                    validator = Validator(
+                        model, files.base_dir, opts.skip_bad, fields, types, limits
+                    )
                     admission = Admission(files, opts.skip_bad)
                     encoded = encode_records(
                         model, model_dir, files, validator, admission, side_writer, opts

@@ -250,14 +250,14 @@ class ChunkChecker:
         self, name: str, values: list[Any], suspect: np.ndarray
     ) -> tuple[list[Any], np.ndarray]:
         """Other kinds (text, image, audio, plugins) are decoded one by one, as ever."""
-        cfg, base = self.cfgs[name], self.validator.base_dir
+        cfg, base, limits = self.cfgs[name], self.validator.base_dir, self.validator.limits
         out: list[Any] = [None] * len(values)
         present = np.zeros(len(values), dtype=bool)
         for i, v in enumerate(values):
             if v is None or suspect[i]:
                 continue
             try:
-                out[i] = decode(v, cfg, base)
+                out[i] = decode(v, cfg, base, limits)
                 present[i] = True
             except InputError:
                 suspect[i] = True
@@ -396,6 +396,8 @@ class ChunkChecker:
         """Records with no modality join the suspects; the reference then checks every suspect,
         and those it accepts rejoin the chunk with what it decoded."""
         suspect |= ~presence.any(axis=1)
+        # The parsers above refuse lone surrogates, but not a NUL: an id holding one is bad.
+        suspect |= np.fromiter((type(r) is str and "\x00" in r for r in ids), bool, len(ids))
         presence[suspect] = False
         rejects: list[Reject] = []
         for i in np.flatnonzero(suspect):

@@ -21,9 +21,9 @@ import orjson
 from indexer.ingest.sources import RawRecord
 from indexer.store.fields import FieldsWriter, FieldValueError
 from models.encoders import decode
-from models.limits import InputError
+from models.limits import DEFAULT_LIMITS, InputError, InputLimits
 from models.model import MultimodalModel
-from models.records import RecordError, parse_line
+from models.records import RecordError, parse_line, record_id
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,7 @@ class Validator:
     skip_bad: bool = False
     filter_fields: tuple[str, ...] = ()
     filter_types: dict[str, str] = field(default_factory=dict)  # the columns an update keeps
+    limits: InputLimits = DEFAULT_LIMITS  # its media_root: where media paths may lead
     seen: dict[str, int | None] = field(default_factory=dict)
     rejected: list[Rejected] = field(default_factory=list)
 
@@ -96,10 +97,7 @@ class Validator:
         if isinstance(raw, RecordError):
             raise raw
         obj = parse_line(raw, line or 0) if isinstance(raw, bytes) else raw
-        rid = obj.get("id")
-        if not isinstance(rid, str) or not rid:
-            raise RecordError("'id' must be a non-empty string", line)
-        return obj, rid
+        return obj, record_id(obj, line)
 
     def finish(self, obj: dict[str, Any], rid: str, line: int | None) -> Record:
         payload = payload_json(obj.get("payload", {}), line, rid)
@@ -119,7 +117,8 @@ class Validator:
                     rid,
                 )
             try:
-                inputs[key] = decode(value, self.model.cfg.modalities[key], self.base_dir)
+                cfg = self.model.cfg.modalities[key]
+                inputs[key] = decode(value, cfg, self.base_dir, self.limits)
             except InputError as exc:
                 raise RecordError(f"{key}: {exc}", line, rid) from None
         if not inputs:

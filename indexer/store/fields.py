@@ -28,6 +28,7 @@ import numpy as np
 import orjson
 
 from indexer.store.arrays import NpyAppender
+from models.limits import string_problem
 
 FIELDS_DIR = "fields"
 RANGE_OPS = {"gt": np.greater, "gte": np.greater_equal, "lt": np.less, "lte": np.less_equal}
@@ -89,6 +90,9 @@ class FieldsWriter:
                 )
             if isinstance(v, float) and not math.isfinite(v):
                 raise FieldValueError(f"payload.{n}: holds NaN or infinity")
+            problem = string_problem(v) if isinstance(v, str) else None
+            if problem is not None:  # a backend compares it in expressions and stores it
+                raise FieldValueError(f"payload.{n}: {problem}")
             if v is not None and types and types.get(n) == "numeric" and not _is_number(v):
                 raise FieldValueError(
                     f"payload.{n}: {orjson.dumps(v).decode()} does not fit the column's type: "

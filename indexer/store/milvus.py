@@ -235,9 +235,15 @@ def public(exc: BaseException, timeout_s: float) -> str:
     return "the vector database (Milvus) is unreachable or refused the call"
 
 
+# Milvus's expression parser knows only these escapes (no \\uXXXX, \\xXX or octal); every other
+# character, control characters and NUL included, stands for itself inside the quotes.
+_LITERAL_ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r"})
+
+
 def literal(value: str) -> str:
-    """A string as a Milvus expression's double-quoted literal."""
-    return json.dumps(value, ensure_ascii=False)
+    """A string as a Milvus expression's double-quoted literal that matches it exactly: every
+    id and filter value goes into an expression through this."""
+    return '"' + value.translate(_LITERAL_ESCAPES) + '"'
 
 
 # -- filters ------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from models.encoders.plugin import PluginEncoder
 from models.encoders.pretrained import PretrainedEncoder
 from models.encoders.text import TextEncoder
 from models.encoders.vector import EmbeddingEncoder, VectorEncoder
-from models.limits import DEFAULT_LIMITS, InputError, InputLimits
+from models.limits import DEFAULT_LIMITS, InputError, InputLimits, string_problem
 
 ENCODERS: dict[str, type[Encoder]] = {
     "vector": VectorEncoder,
@@ -59,6 +59,9 @@ def decode(
     encoder's collate takes. Every failure is an InputError saying what is wrong with the value."""
     if value is None:
         raise InputError("value is null")
+    problem = string_problem(value) if isinstance(value, str) else None
+    if problem is not None:  # a text, a path or a plugin's string: never a crash further on
+        raise InputError(f"the value {problem}")
     encoder = ENCODERS.get(cfg.kind)
     if encoder is None:
         raise InputError(f"unknown encoder kind {cfg.kind!r}")

@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     store = _checkpoints(args, cfg.train.checkpoint_every)
     log.info("indexing training records in %s", cfg.records_path)
     try:
-        data = RecordsFile.scan(cfg.records_path, cfg.model)
+        data = RecordsFile.scan(cfg.records_path, cfg.model, cfg.input_limits())
     except RecordError as exc:  # the one line names the file as well as the line
         raise exc.in_file(str(cfg.records_path)) from None
     log.info(

@@ -14,7 +14,7 @@ import torch
 
 from models.config import ModelConfig
 from models.encoders import decode
-from models.limits import InputError
+from models.limits import DEFAULT_LIMITS, InputError, InputLimits
 from models.records import RecordError, iter_jsonl, record_id
 
 
@@ -80,7 +80,9 @@ class TupleDataset:
         }
 
 
-def load_training_records(path: Path, cfg: ModelConfig) -> TupleDataset:
+def load_training_records(
+    path: Path, cfg: ModelConfig, limits: InputLimits = DEFAULT_LIMITS
+) -> TupleDataset:
     """Decode a whole records file into memory (small sets; `hclip train` reads lazily)."""
     items: dict[str, list[Any]] = {n: [] for n in cfg.names}
     seen: dict[str, int] = {}
@@ -92,7 +94,7 @@ def load_training_records(path: Path, cfg: ModelConfig) -> TupleDataset:
         check_modalities(obj, cfg, line, rid)
         for name in cfg.names:
             try:
-                items[name].append(decode(obj[name], cfg.modalities[name], path.parent))
+                items[name].append(decode(obj[name], cfg.modalities[name], path.parent, limits))
             except InputError as exc:
                 raise RecordError(f"{name}: {exc}", line, rid) from None
     if not seen:

@@ -22,7 +22,7 @@ import torch
 
 from models.config import ModelConfig
 from models.encoders import decode
-from models.limits import InputError
+from models.limits import DEFAULT_LIMITS, InputError, InputLimits
 from models.records import RecordError, parse_line, record_id
 from models.train.data import check_modalities, input_key
 
@@ -37,10 +37,13 @@ def _id_hash(rid: str) -> int:
 class RecordsFile:
     """A records file as a sequence of training tuples, decoded on demand."""
 
-    def __init__(self, path: Path, cfg: ModelConfig, spans: np.ndarray):
+    def __init__(
+        self, path: Path, cfg: ModelConfig, spans: np.ndarray, limits: InputLimits = DEFAULT_LIMITS
+    ):
         self._fd: int | None = None
         self.path = path
         self.cfg = cfg
+        self.limits = limits  # its media_root: where media paths may lead
         self.spans = spans  # (N, 2) int64: [start, end) byte offsets of each record's line
         st = path.stat()
         self._stamp = (st.st_size, st.st_mtime_ns)
@@ -56,7 +59,9 @@ class RecordsFile:
         return int(self.spans.shape[0])
 
     @staticmethod
-    def scan(path: str | Path, cfg: ModelConfig) -> RecordsFile:
+    def scan(
+        path: str | Path, cfg: ModelConfig, limits: InputLimits = DEFAULT_LIMITS
+    ) -> RecordsFile:
         path = Path(path)
         if not path.is_file():
             raise RecordError(f"records file not found: {path}")
@@ -74,14 +79,15 @@ class RecordsFile:
                     m = cfg.modalities[name]
                     if m.kind in CHEAP_KINDS:
                         try:
-                            decode(obj[name], m, path.parent)
+                            decode(obj[name], m, path.parent, limits)
                         except InputError as exc:
                             raise RecordError(f"{name}: {exc}", line_no, rid) from None
                 spans.extend((start, offset))
                 hashes.append(_id_hash(rid))
         if not hashes:
             raise RecordError(f"{path}: no records")
-        records = RecordsFile(path, cfg, np.frombuffer(spans, dtype=np.int64).reshape(-1, 2))
+        spans_2d = np.frombuffer(spans, dtype=np.int64).reshape(-1, 2)
+        records = RecordsFile(path, cfg, spans_2d, limits)
         records._check_unique_ids(np.frombuffer(hashes, dtype=np.uint64))
         return records
 
@@ -143,7 +149,8 @@ class RecordsFile:
             obj = self._read(i)
             for name in self.cfg.names:
                 try:
-                    x = decode(obj[name], self.cfg.modalities[name], self.path.parent)
+                    cfg = self.cfg.modalities[name]
+                    x = decode(obj[name], cfg, self.path.parent, self.limits)
                 except InputError as exc:
                     raise RecordError(f"{name}: {exc}", self.line_of(i), obj.get("id")) from None
                 items[name].append(x)

@@ -24,6 +24,8 @@ def reads(rows: list[dict]) -> list[tuple[str, str, dict | None]]:
         ("POST", "/v1/embed", {"modality": "a", "inputs": [rows[0]["a"]]}),
         ("GET", f"/v1/records/{rows[0]['id']}", None),
         ("GET", f"/v1/records/{rows[0]['id']}/embeddings", None),
+        ("GET", f"/v1/records?id={rows[0]['id']}", None),
+        ("GET", f"/v1/embeddings?id={rows[0]['id']}", None),
         ("GET", "/v1/info", None),
     ]
 

@@ -214,6 +214,27 @@ def test_bad_records_are_named_as_the_local_engine_names_them(
     assert_same_version(loaded(tmp_path / "local"), loaded(tmp_path / "ray"))
 
 
+def test_the_media_root_reaches_the_encoding_actors(
+    tmp_path: Path, ray_address: str, capsys
+) -> None:
+    """The actors check media paths as the local engine does: inside --media-root, no further."""
+    from tests.models.test_inputs import png_bytes
+
+    (tmp_path / "recs").mkdir()
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside/secret.png").write_bytes(png_bytes())
+    rows = [good(i) for i in range(4)]
+    rows[2]["image"] = "../outside/secret.png"  # inside the root --media-root widens
+    rows[3]["image"] = "/etc/passwd"  # outside it
+    path = write_jsonl(tmp_path / "recs/r.jsonl", rows)
+    root = tmp_path / "root"
+    model = mm_model_dir(tmp_path / "m")
+    assert ray_build(model, path, root, "--media-root", tmp_path, "--skip-bad") == 0
+    out = capsys.readouterr().out
+    assert "rejected line 4, id 'g3': image: image file /etc/passwd is outside the media " in out
+    assert loaded(root).manifest["counts"]["records"] == 3
+
+
 def test_ray_update_equals_local_update(tmp_path: Path, ray_address: str, capsys) -> None:
     base = records_with_gaps(300)
     changed = vector_records(40, DIMS, seed=7, k=40)  # replacements of r-00000..r-00039

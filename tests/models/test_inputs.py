@@ -193,3 +193,49 @@ def test_hostile_texts() -> None:
         decode("seven \ud800", txt)
     with pytest.raises(InputError, match="1001 characters, over the limit of 1000"):
         decode("x" * 1001, txt, limits=LIMITS)
+
+
+# A data: URI's declared type must be the modality's (or say nothing about the bytes).
+
+
+@pytest.mark.parametrize(
+    ("value", "cfg", "declared"),
+    [
+        (data_uri("text/plain", png_bytes()), IMG, "text/plain"),
+        (data_uri("audio/wav", png_bytes()), IMG, "audio/wav"),
+        (data_uri("image/png", wav_bytes()), AUD, "image/png"),
+        (data_uri("text/plain", wav_bytes()), AUD, "text/plain"),
+    ],
+)
+def test_a_data_uri_declaring_another_type_is_refused(value: str, cfg, declared: str) -> None:
+    with pytest.raises(InputError, match=f"declares the type '{declared}', not {cfg.kind}/"):
+        decode(value, cfg)
+
+
+@pytest.mark.parametrize(
+    "mime", ["image/png", "image/jpeg", "IMAGE/PNG", "", "application/octet-stream"]
+)
+def test_image_types_and_untyped_data_uris_are_read(mime: str) -> None:
+    assert decode(data_uri(mime, png_bytes()), IMG).shape == (1, 8, 8)
+
+
+@pytest.mark.parametrize(
+    "mime", ["audio/wav", "audio/x-wav", "audio/wave", "", "application/octet-stream"]
+)
+def test_audio_types_and_untyped_data_uris_are_read(mime: str) -> None:
+    assert decode(data_uri(mime, wav_bytes()), AUD).shape == (4000,)
+
+
+def test_a_nul_or_a_lone_surrogate_in_a_text_is_an_input_error() -> None:
+    text = ModalityConfig(kind="text")
+    with pytest.raises(InputError, match=r"holds a NUL character"):
+        decode("seven\x00", text)
+    with pytest.raises(InputError, match=r"holds a lone surrogate \(\\udc80\)"):
+        decode("seven\udc80", text)
+
+
+def test_a_file_path_without_a_base_directory_is_refused(tmp_path: Path) -> None:
+    """A query's value (no records file, no base directory) never names a file to read."""
+    (tmp_path / "d.png").write_bytes(png_bytes())
+    with pytest.raises(InputError, match="must be a base64 data: URI here"):
+        decode(str(tmp_path / "d.png"), IMG)
