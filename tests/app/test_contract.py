@@ -52,7 +52,7 @@ def test_vector_model_with_filters(tmp_path: Path, vector_index) -> None:
     build_index(root, model_dir, rows_with_fields(200), tmp_path, "--filter-fields",
                 "category,year,flag")  # fmt: skip
     with running(settings_for(root, admin_token="t0k3n")) as client:
-        out = run_schemathesis(str(client.base_url), 300, exclude=[])
+        out = run_schemathesis(str(client.base_url), 150, exclude=[])
     assert generated(out) >= 2000
 
 
@@ -65,5 +65,5 @@ def test_media_text_and_vector_model(tmp_path: Path) -> None:
     ]  # fmt: skip
     build_index(root, media_model(tmp_path), rows, tmp_path)
     with running(settings_for(root, admin_token="t0k3n")) as client:
-        out = run_schemathesis(str(client.base_url), 100, exclude=["positive_data_acceptance"])
+        out = run_schemathesis(str(client.base_url), 60, exclude=["positive_data_acceptance"])
     assert generated(out) >= 800

@@ -351,15 +351,6 @@ def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: P
             assert "nothing is left to retrieve" in page.search_failing()
             assert page.results() == [] and page.result_meta() == ""
         favicon = client.get("/favicon.ico")
-        # a phone's width: one column, nothing scrolls sideways
-        with SearchPage(url) as page:
-            page.driver.set_window_size(420, 900)
-            page.pick("image", 1)
-            page.search()
-            narrow = tmp_path / "narrow.png"
-            page.full_screenshot(narrow)
-            assert png_width(narrow) <= 420, png_width(narrow)
-            assert not page.overflows()
     # With keys on, the media are guarded too: the page fetches them with the key it was given.
     with running(settings_for(root, media_dir=demo_dir, api_keys="sesame")) as keyed:
         assert keyed.get(examples["image"][0]["url"]).status_code == 401
@@ -369,6 +360,12 @@ def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: P
             page.pick("audio", 0)
             assert len(page.search()) == 10
             page.wait.until(lambda d: page.images_shown("#results img"))
+            # a phone's width: one column, nothing scrolls sideways
+            page.driver.set_window_size(420, 900)
+            narrow = tmp_path / "narrow.png"
+            page.full_screenshot(narrow)
+            assert png_width(narrow) <= 420, png_width(narrow)
+            assert not page.overflows()
         assert favicon.status_code == 200 and favicon.headers["content-type"] == "image/svg+xml"
     if os.environ.get("HCLIP_SAVE_SCREENSHOT"):
         shutil.copy(shot, REPO / os.environ["HCLIP_SAVE_SCREENSHOT"])

@@ -115,7 +115,8 @@ def test_a_bad_upload_fails_only_itself(media_root: Path, modality: str, kind: s
         with ThreadPoolExecutor(21) as pool:
             futures = [pool.submit(client.post, "/v1/search", json=b) for b in [bad, *bodies]]
             responses = [f.result() for f in futures]
-        assert responses[0].status_code < 500, responses[0].text
+        # refused as the client's mistake (a truncated WAV included), never answered or a 5xx
+        assert responses[0].status_code in (413, 422), responses[0].text
         for r, want in zip(responses[1:], alone, strict=True):
             assert r.status_code == 200, r.text
             got = r.json()["results"]

@@ -135,7 +135,7 @@ def test_a_media_root_that_is_no_directory_is_one_line(tree: Path, model: Path, 
     path = records(tree, "pics/2.png")
     assert index_build(model, path, tree / "root", "--media-root", tree / "nope") == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"hclip index: error: --media-root {tree / 'nope'}: not a directory"]
+    assert err == [f"hclip index build: error: --media-root {tree / 'nope'}: not a directory"]
 
 
 def hclip_limited(*argv: object) -> subprocess.CompletedProcess[str]:
