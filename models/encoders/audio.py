@@ -24,9 +24,8 @@ from models.limits import DEFAULT_LIMITS, InputError, InputLimits, InputTooLarge
 
 
 def _pcm_to_float(frames: bytes, width: int, channels: int) -> np.ndarray:
-    """Whole frames only: a file cut mid-sample or mid-frame loses its partial last frame."""
-    frame_bytes = width * channels
-    frames = frames[: len(frames) - len(frames) % frame_bytes]
+    """PCM frames -> mono float32 samples; `frames` holds whole frames (_read_wav refuses a
+    file cut short of what its header declares)."""
     if width == 1:
         x = (np.frombuffer(frames, dtype=np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:
