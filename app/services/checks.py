@@ -6,8 +6,9 @@ what is served is checked here: k and effort in their ranges, which view the nam
 select, each raw input's type (and, for the cheap kinds, its value), each given embedding, the
 filter against the version's declared fields, and how many queries or inputs a request holds.
 Media are measured from their headers (an image's pixels, the seconds of a clip its encoder
-reads): one over its limit, or a request whose media sum over the request's budget, is refused
-before any decoding is queued. Encoders check their inputs' limits again where they decode.
+reads): a request whose media sum over its budget is refused before any decoding is queued.
+Each input's own limits are checked by its encoder, from the same header, so that in a batch
+only the query holding it fails.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ from models.limits import InputError, InputLimits, InputTooLarge
 # Headers sit in a file's first bytes (a JPEG's after its metadata segments, which rarely
 # reach this far): reading a prefix keeps the check cheap on the event loop.
 HEADER_BYTES = 48 * 1024
+# Formats whose header may lie past the prefix (JPEG segments, RIFF and TIFF chunks): only for
+# these is the whole input read; anything else that shows no header in its prefix has none.
+LATE_HEADERS = (b"\xff\xd8", b"RIFF", b"II*\x00", b"MM\x00*")
 
 
 def _cost(data: bytes, cfg: ModalityConfig, limits: InputLimits) -> float:
@@ -32,12 +35,12 @@ def decode_cost(value: Any, cfg: ModalityConfig, limits: InputLimits) -> float:
     head, sep, payload = value.partition(",")
     chars = HEADER_BYTES // 3 * 4  # whole base64 quanta
     if sep and len(payload) > chars:
+        prefix = read_bytes(f"{head},{payload[:chars]}", None, cfg.raw_form, limits)
         try:
-            return _cost(
-                read_bytes(f"{head},{payload[:chars]}", None, cfg.raw_form, limits), cfg, limits
-            )
+            return _cost(prefix, cfg, limits)
         except InputTooLarge:
             raise
         except InputError:
-            pass  # the header lies further in: read the whole file
+            if not prefix.startswith(LATE_HEADERS):
+                raise
     return _cost(read_bytes(value, None, cfg.raw_form, limits), cfg, limits)
