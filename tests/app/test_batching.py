@@ -115,42 +115,46 @@ def test_a_query_whose_factor_overflows_fails_alone() -> None:
     assert ok[1].tolist() == [7]
 
 
-def test_on_loop_runs_every_batch_on_the_event_loop_with_the_same_results() -> None:
+def batched_searches(on_loop: bool) -> tuple[np.ndarray, np.ndarray, list, list[str], list[int]]:
+    """A lone search, then nine at once, through a search batcher over 400 vectors: (xb, xq,
+    the results, the threads its batches ran on, the batches' sizes)."""
     import threading
 
     rng = np.random.default_rng(2)
     xb = rng.standard_normal((400, 8)).astype(np.float32)
     view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(400) * 3, 8, vectors=xb)
     xq = rng.standard_normal((10, 8)).astype(np.float32)
+    threads: list[str] = []
+    sizes: list[int] = []
 
-    def run(on_loop: bool) -> tuple[list, list[str], list[int]]:
-        threads: list[str] = []
-        sizes: list[int] = []
+    async def main() -> list:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
+        b = search_batcher(view, unit_head(8), pool, 64, 0.0, sizes.append, on_loop=on_loop)
+        batch = b.run_batch
 
-        async def main() -> list:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
-            b = search_batcher(view, unit_head(8), pool, 64, 0.0, sizes.append, on_loop=on_loop)
-            batch = b.run_batch
+        def recorded(items: list) -> list:
+            threads.append(threading.current_thread().name)
+            return batch(items)
 
-            def recorded(items: list) -> list:
-                threads.append(threading.current_thread().name)
-                return batch(items)
+        b.run_batch = recorded
+        lone = await b.submit(item(xq[0], 4))
+        many = await asyncio.gather(*(b.submit(item(xq[i], 4)) for i in range(1, 10)))
+        return [lone, *many]
 
-            b.run_batch = recorded
-            lone = await b.submit(item(xq[0], 4))
-            many = await asyncio.gather(*(b.submit(item(xq[i], 4)) for i in range(1, 10)))
-            return [lone, *many]
+    return xb, xq, asyncio.run(main()), threads, sizes
 
-        return asyncio.run(main()), threads, sizes
 
-    got, threads, sizes = run(on_loop=True)
+def test_on_loop_runs_every_batch_on_the_event_loop_with_the_same_results() -> None:
+    import threading
+
+    xb, xq, got, threads, sizes = batched_searches(on_loop=True)
     assert set(threads) == {threading.main_thread().name}
     assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) < 10  # still batched
     for i, (scores, rows) in enumerate(got):
         order = np.argsort(-(xb @ xq[i]))[:4]
         assert rows.tolist() == (order * 3).tolist()
         assert np.allclose(scores, (xb @ xq[i])[order], atol=1e-5)
-    off, threads, _ = run(on_loop=False)
+    _, _, off, threads, _ = batched_searches(on_loop=False)
     assert threads and all(t.startswith("pool") for t in threads)
     assert [r.tolist() for _, r in off] == [r.tolist() for _, r in got]
 
@@ -175,30 +179,7 @@ def test_searches_go_on_the_loop_when_each_worker_has_a_core(
 
 
 def test_searches_run_on_the_search_thread_batched_with_exact_results() -> None:
-    import threading
-
-    rng = np.random.default_rng(2)
-    xb = rng.standard_normal((400, 8)).astype(np.float32)
-    view = View("a", ("a",), ("b",), IndexSpec("flat"), np.arange(400) * 3, 8, vectors=xb)
-    xq = rng.standard_normal((10, 8)).astype(np.float32)
-    threads: list[str] = []
-    sizes: list[int] = []
-
-    async def main() -> list:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="pool")
-        b = search_batcher(view, unit_head(8), pool, 64, 0.0, sizes.append)
-        batch = b.run_batch
-
-        def recorded(items: list) -> list:
-            threads.append(threading.current_thread().name)
-            return batch(items)
-
-        b.run_batch = recorded
-        lone = await b.submit(item(xq[0], 4))
-        many = await asyncio.gather(*(b.submit(item(xq[i], 4)) for i in range(1, 10)))
-        return [lone, *many]
-
-    got = asyncio.run(main())
+    xb, xq, got, threads, sizes = batched_searches(on_loop=False)
     assert threads and all(t.startswith("pool") for t in threads)
     assert sizes[0] == 1 and sum(sizes) == 10 and len(sizes) < 10  # batched
     for i, (scores, rows) in enumerate(got):
