@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from models.limits import DEFAULT_LIMITS, InputLimits
+from models.records import near_miss
 
 ENCODER_KINDS = ("vector", "embedding", "text", "image", "audio", "plugin", "transformers")
 PRETRAINED_INPUTS = ("image", "audio", "text")
@@ -54,10 +56,21 @@ def _float(value: Any, path: str, positive: bool = True) -> float:
     return float(value)
 
 
-def _check_keys(obj: dict[str, Any], allowed: set[str], path: str) -> None:
+def _check_keys(
+    obj: dict[str, Any],
+    allowed: set[str],
+    path: str,
+    own: tuple[str, Collection[str]] | None = None,
+) -> None:
+    """Every key is one of `allowed`; an error suggests the nearest one and lists them, or
+    with `own` (what, its keys) only the keys of what the object is: `kind 'text'`."""
     unknown = sorted(set(obj) - allowed)
     if unknown:
-        raise ConfigError(f"{path}{unknown[0]}: unknown field (allowed: {sorted(allowed)})")
+        what, names = ("allowed", sorted(allowed)) if own is None else (f"{own[0]} takes", own[1])
+        raise ConfigError(
+            f"{path}{unknown[0]}: unknown field{near_miss(unknown[0], names)} "
+            f"({what}: {', '.join(names)})"
+        )
 
 
 def _fraction(value: Any, path: str) -> float:
@@ -72,6 +85,19 @@ def _choice(value: Any, choices: tuple[str, ...], path: str) -> str:
         raise ConfigError(f"{path}: expected one of {', '.join(choices)}, got {value!r}")
     return str(value)
 
+
+# What each kind reads, besides `kind`: what an unknown key's error lists for that kind.
+KIND_KEYS = {
+    "vector": ("dim", "hidden"),
+    "embedding": ("dim", "map"),
+    "text": ("hidden",),
+    "image": ("hidden", "conv_width", "image_size", "channels"),
+    "audio": ("hidden", "conv_width", "sample_rate", "max_seconds", "n_mels", "hop_ms"),
+    "plugin": ("plugin", "weights", "options", "hidden"),
+    "transformers": (
+        "model", "input", "pooling", "train_layers", "map", "hidden", "sample_rate", "max_seconds"
+    ),
+}  # fmt: skip
 
 # Keys that only one kind takes: anywhere else they are a mistake worth naming.
 KIND_ONLY_KEYS = {
@@ -122,7 +148,10 @@ class ModalityConfig:
         if not isinstance(obj, dict):
             raise ConfigError(f"{path}: expected an object with a 'kind'")
         allowed = {f for f in ModalityConfig.__dataclass_fields__}
-        _check_keys(obj, allowed, path + ".")
+        kind_value = obj.get("kind")
+        own = KIND_KEYS.get(kind_value) if isinstance(kind_value, str) else None
+        kind_keys = None if own is None else (f"kind {kind_value!r}", ("kind", *own))
+        _check_keys(obj, allowed, path + ".", kind_keys)
         kind = _req(obj, "kind", path + ".")
         if kind not in ENCODER_KINDS:
             raise ConfigError(

@@ -3,8 +3,10 @@ and id."""
 
 from __future__ import annotations
 
+import difflib
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,130 @@ class RecordError(ValueError):
         return RecordError(self.reason, self.line, self.record_id, file)
 
 
+# Bad records a run names at once without --skip-bad: enough to fix a file in one pass, few
+# enough that a file of nothing but bad lines stops early.
+MAX_REPORTED = 20
+
+
+def display_path(path: str | Path) -> str:
+    """How every command names a file: relative to the working directory when inside it (as
+    a user types it), else absolute."""
+    full = Path(os.path.abspath(path))
+    try:
+        return str(full.relative_to(Path.cwd()))
+    except ValueError:
+        return str(full)
+
+
+class BadRecords(RecordError):
+    """Every bad record one run found (up to MAX_REPORTED), named one per line."""
+
+    def __init__(
+        self, errors: list[RecordError], file: str | None, stopped: bool, skip: str | None
+    ):
+        first = errors[0]
+        super().__init__(first.reason, first.line, first.record_id, file)
+        count = f"the first {len(errors)}" if stopped else str(len(errors))
+        head = f"{file}: " if file is not None else ""
+        fix = f"fix them, or pass {skip} to leave them out" if skip else "fix them"
+        stop = " (checking stopped there)" if stopped else ""
+        lines = [f"{head}{count} bad records{stop}; {fix}:"]
+        lines += [f"  {exc}" for exc in errors]
+        self.args = ("\n".join(lines),)
+        self.errors = errors
+
+
+class BadLines:
+    """A run's bad records, kept so that one run names them all: `add` each one (it raises once
+    MAX_REPORTED are kept), then `raise_any` at the end."""
+
+    def __init__(self, file: str | None = None, skip: str | None = None, limit: int = MAX_REPORTED):
+        self.file = file
+        self.skip = skip  # the option that leaves bad records out, if the command has one
+        self.limit = limit
+        self.errors: list[RecordError] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.errors)
+
+    def add(self, exc: RecordError) -> None:
+        self.errors.append(exc)
+        if len(self.errors) >= self.limit:
+            raise self._error(stopped=True)
+
+    def raise_any(self) -> None:
+        if self.errors:
+            raise self._error(stopped=False)
+
+    def _error(self, stopped: bool) -> RecordError:
+        self.errors.sort(key=lambda e: e.line if e.line is not None else 0)
+        if len(self.errors) == 1 and not stopped:
+            only = self.errors[0]
+            return only if self.file is None else only.in_file(self.file)
+        return BadRecords(self.errors, self.file, stopped, self.skip)
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The one of `choices` that `word` is a near-miss of (a typo), if any."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.7)
+    return close[0] if close else None
+
+
+def near_miss(word: str, choices: Iterable[str]) -> str:
+    """' (did you mean 'x'?)' for a near-miss of one of `choices`, else ''."""
+    close = closest(word, choices)
+    return f" (did you mean {close!r}?)" if close else ""
+
+
+def ignored_line(ignored: dict[str, str], names: list[str]) -> str:
+    """The one line a command says about record fields it left out: each name, where it
+    first appeared, and a modality it is a near-miss of."""
+    parts = [f"{k!r} (first on {where}){near_miss(k, names)}" for k, where in ignored.items()]
+    return f"ignored fields that are no modality of the model ({', '.join(names)}): " + ", ".join(
+        parts
+    )
+
+
+def _open_at_end(text: str) -> tuple[int, int | None]:
+    """(brackets still open, column where an unclosed string starts or None) at the end of
+    `text`: a line cut short leaves one or the other."""
+    depth, string_start, escaped = 0, None, False
+    for col, ch in enumerate(text, start=1):
+        if string_start is not None:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                string_start = None
+        elif ch == '"':
+            string_start = col
+        elif ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+    return depth, string_start
+
+
+def _json_problem(text: str, exc: json.JSONDecodeError) -> str:
+    """What is wrong, and where: the end of a line cut short, else where the parser stopped."""
+    body = text.rstrip("\r\n")
+    depth, string_start = _open_at_end(body)
+    end = len(body)
+    if string_start is not None:
+        return (
+            f"not valid JSON: the line ends at column {end} inside a string that starts at "
+            f"column {string_start} (is it cut short?)"
+        )
+    if depth > 0 and exc.pos >= len(body.rstrip()) - 1:
+        return (
+            f"not valid JSON: the line ends at column {end} with {depth} bracket"
+            f"{'s' if depth > 1 else ''} still open (is it cut short?)"
+        )
+    what = exc.msg.removesuffix(" at")  # "Invalid control character at"
+    return f"not valid JSON at column {exc.colno} ({what})"
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -65,8 +191,7 @@ def parse_line(line: str | bytes, line_no: int) -> dict[str, Any]:
         try:
             obj = json.loads(text, parse_constant=_reject_constant)
         except json.JSONDecodeError as exc:
-            what = exc.msg.removesuffix(" at")  # "Invalid control character at"
-            raise RecordError(f"not valid JSON at column {exc.colno} ({what})", line_no) from None
+            raise RecordError(_json_problem(text, exc), line_no) from None
         except ValueError as exc:  # NaN or Infinity, which are not JSON
             raise RecordError(f"not valid JSON ({exc})", line_no, _lenient_id(text)) from None
     if not isinstance(obj, dict):

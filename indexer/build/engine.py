@@ -26,17 +26,21 @@ def encode_records(
     writer: RowWriter,
     opts: JobOptions,
 ) -> int:
-    """Check, encode and write every record of `files` with the chosen engine; rows written."""
+    """Check, encode and write every record of `files` with the chosen engine; rows written.
+    Raises every bad record found, unless --skip-bad left them out."""
     rows = chunk_rows_for(model, opts.batch_size, opts.chunk_rows)
     if opts.engine == "ray":
         require("ray.data", "ray", "--engine ray")
         from indexer.build.ray_engine import RayJob  # imports ray: only for this engine
 
         job = RayJob(model_dir, opts.ray_address, opts.workers, opts.batch_size, opts.progress)
-        return job.run(model, files, validator, admission, writer, rows)
-    checker = ChunkChecker(validator)
-    batch = opts.batch_size
-    return encode_local(model, files, checker, admission, writer, batch, rows, opts.progress)
+        written = job.run(model, files, validator, admission, writer, rows)
+    else:
+        checker = ChunkChecker(validator)
+        batch = opts.batch_size
+        written = encode_local(model, files, checker, admission, writer, batch, rows, opts.progress)
+    admission.finish(model.names)
+    return written
 
 
 def engine_block(opts: JobOptions) -> dict[str, Any]:

@@ -185,7 +185,7 @@ class EncodeShards:
         checked = self.checker.check(chunk)
         rows = checked.rows
         # Once a record is known bad (and not skipped), the job fails: checking goes on so
-        # that the first bad record is named exactly, but encoding would be wasted.
+        # that every bad record is named (indexer.ingest.admission), but encoding would be wasted.
         encode = not (self.shard_dir / STOP).exists()
         embs = encode_rows(self.model, rows, self.batch_size) if encode and len(rows) else {}
         name = f"{int(chunk.locs[0]):016x}.arrow"
@@ -199,6 +199,7 @@ class EncodeShards:
                 "rows": [len(rows)],
                 "records": [len(chunk)],
                 "rejects": [json.dumps(rejects)],
+                "ignored": [json.dumps(checked.ignored)],
                 "encoded": [bool(embs) or not len(rows)],
                 "fingerprint": [self.fingerprint],
             }
@@ -435,9 +436,9 @@ class RayJob:
                 Reject(loc, rid, reason, stage)
                 for loc, rid, reason, stage in json.loads(s["rejects"])
             ]
-            keep = admission.admit(Checked(rows, rejects))
+            keep = admission.admit(Checked(rows, rejects, json.loads(s["ignored"])))
             if partial:
-                continue  # some shards were not encoded: admission raises at the first bad record
+                continue  # some shards were not encoded: admission holds a bad record
             kept = rows.take(keep)
             if len(kept):
                 writer.write_rows(
@@ -447,6 +448,7 @@ class RayJob:
                     {n: e[keep] for n, e in embs.items()},
                 )
             written += len(kept)
+        admission.bad.raise_any()  # the job's engine.encode_records says what was ignored
         if partial:
             raise RecordError("encoding stopped at a bad record, but none was found: a bug")
         return written

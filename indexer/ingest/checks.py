@@ -37,6 +37,9 @@ PARSE, FINISH = "parse", "finish"  # the Validator stage a reject came from
 LONG_INTEGER = r"\d{19}"
 _EMPTY: dict[str, Any] = {}  # the payload of a record without one (never modified)
 PARSE_ROWS = 1024  # JSON lines parsed at once
+# The vector-lines path hands a chunk to the general one when more than 1/REFER_AT_MOST of its
+# lines need the reference, which checks one line at a time.
+REFER_AT_MOST = 8
 
 
 @dataclass
@@ -53,10 +56,23 @@ class Checked:
 
     rows: Rows
     rejects: list[Reject] = field(default_factory=list)
+    ignored: dict[str, int] = field(default_factory=dict)  # field -> first location
 
     @staticmethod
     def concat(parts: list[Checked]) -> Checked:
-        return Checked(Rows.concat([p.rows for p in parts]), [r for p in parts for r in p.rejects])
+        ignored: dict[str, int] = {}
+        for p in parts:
+            first_seen(ignored, p.ignored)
+        return Checked(
+            Rows.concat([p.rows for p in parts]), [r for p in parts for r in p.rejects], ignored
+        )
+
+
+def first_seen(into: dict[str, int], more: dict[str, int]) -> None:
+    """Merge `more` into `into`, keeping each field's earliest location."""
+    for name, loc in more.items():
+        if name not in into or loc < into[name]:
+            into[name] = loc
 
 
 class ChunkChecker:
@@ -103,24 +119,25 @@ class ChunkChecker:
         objs: list[dict[str, Any] | None] = [None] * n
         ids: list[Any] = [None] * n
         payloads: list[bytes] = [b""] * n
+        extra: list[int] = []  # records with fields that are no modality
         # One pass over the lines, kept lean: this loop is most of a JSON Lines build's work.
         for i, raw in enumerate(lines):
             try:
                 obj = loads(raw)
                 rid = obj["id"]  # a TypeError for anything but an object
                 payload = obj.get("payload", _EMPTY)
-                if (
-                    type(rid) is str
-                    and rid
-                    and type(payload) is dict
-                    and obj.keys() <= allowed
-                    and self._fields_ok(payload)
-                ):
+                if type(rid) is str and rid and type(payload) is dict and self._fields_ok(payload):
                     payloads[i] = dumps(payload)  # a TypeError if the store cannot keep it
                     ids[i] = rid
                     objs[i] = obj
+                    if not obj.keys() <= allowed:
+                        extra.append(i)
             except (orjson.JSONDecodeError, TypeError, KeyError):
                 pass
+        ignored: dict[str, int] = {}
+        for i in extra:
+            for name in objs[i].keys() - allowed:  # type: ignore[union-attr]
+                ignored.setdefault(name, int(chunk.locs[i]))
         suspect = np.array([o is None for o in objs], dtype=bool)
         maybe_bool = [b"true" in raw or b"false" in raw for raw in lines]
         inputs: dict[str, Any] = {}
@@ -133,7 +150,7 @@ class ChunkChecker:
                 )
             else:
                 inputs[name], presence[:, j] = self._decoded(name, values, suspect)
-        return self._finish_chunk(chunk, ids, payloads, presence, inputs, suspect)
+        return self._finish_chunk(chunk, ids, payloads, presence, inputs, suspect, ignored)
 
     def _check_vector_lines(self, chunk: Chunk) -> Checked | None:
         """Records of vector modalities only, without a Python float per number
@@ -143,6 +160,8 @@ class ChunkChecker:
         if parsed is None:
             return None
         n, suspect = len(chunk.lines), parsed.suspect
+        if np.count_nonzero(suspect) > n // REFER_AT_MOST:
+            return None  # e.g. fields of other modalities: the general path takes them in bulk
         ids: list[Any] = parsed.ids
         suspect |= np.fromiter((not rid for rid in ids), bool, n)  # refused, or an empty id
         # a record without a payload has the empty one, as the reference stores it
@@ -272,9 +291,11 @@ class ChunkChecker:
         n = len(chunk)
         suspect = np.zeros(n, dtype=bool)
         cols = {name: table.column(i) for i, name in enumerate(table.schema.names)}
-        for name, col in cols.items():  # a column that is no modality must be empty
-            if name not in self.allowed:
-                suspect |= arrow_numpy.valid(col)
+        ignored: dict[str, int] = {}
+        for name in [c for c in cols if c not in self.allowed]:  # no modality: left out
+            valid = np.flatnonzero(arrow_numpy.valid(cols.pop(name)))
+            if len(valid):
+                ignored[name] = int(chunk.locs[valid[0]])
         ids: list[Any] = [None] * n
         id_col = cols.get("id")
         if id_col is not None and (
@@ -295,7 +316,7 @@ class ChunkChecker:
                 inputs[name], presence[:, j] = self._array_from_arrow(name, col, suspect, pa)
             else:
                 inputs[name], presence[:, j] = self._decoded(name, col.to_pylist(), suspect)
-        return self._finish_chunk(chunk, ids, payloads, presence, inputs, suspect)
+        return self._finish_chunk(chunk, ids, payloads, presence, inputs, suspect, ignored)
 
     def _parquet_payloads(self, col: Any, suspect: np.ndarray, pa: Any) -> list[bytes]:
         import pyarrow.compute as pc
@@ -392,9 +413,12 @@ class ChunkChecker:
         presence: np.ndarray,
         inputs: dict[str, Any],
         suspect: np.ndarray,
+        ignored: dict[str, int] | None = None,
     ) -> Checked:
         """Records with no modality join the suspects; the reference then checks every suspect,
-        and those it accepts rejoin the chunk with what it decoded."""
+        and those it accepts rejoin the chunk with what it decoded. `ignored`: the fields that
+        are no modality, as the fast checks found them (the reference adds its own)."""
+        ignored = {} if ignored is None else ignored
         suspect |= ~presence.any(axis=1)
         # The parsers above refuse lone surrogates, but not a NUL: an id holding one is bad.
         suspect |= np.fromiter((type(r) is str and "\x00" in r for r in ids), bool, len(ids))
@@ -410,6 +434,7 @@ class ChunkChecker:
                 rejects.append(Reject(loc, exc.record_id, exc.reason, stage.stage))
                 continue
             ids[i], payloads[i] = record.id, record.payload_json
+            first_seen(ignored, dict.fromkeys(record.ignored, loc))
             for j, name in enumerate(self.names):
                 value = record.inputs.get(name)
                 presence[i, j] = value is not None
@@ -421,7 +446,7 @@ class ChunkChecker:
                     inputs[name][i] = value
             suspect[i] = False
         rows = Rows(chunk.locs, ids, payloads, presence, inputs)
-        return Checked(rows.take(~suspect), rejects)
+        return Checked(rows.take(~suspect), rejects, ignored)
 
     def _reference(self, chunk: Chunk, i: int, loc: int) -> Record:
         if chunk.lines is not None:

@@ -1,9 +1,11 @@
 """Checking records one at a time: the reference Validator for every message, the validated
 record, a rejected one, and the rows the encoders take.
 
-Every way a line can be bad (not JSON, NaN, a wrong type or length, an unknown modality, a
-duplicate id, undecodable media, a payload that cannot be stored) is a RecordError for that
-line, so `--skip-bad` can leave it out and name it. indexer.ingest.checks checks whole chunks
+Every way a line can be bad (not JSON, NaN, a wrong type or length, a duplicate id, undecodable
+media, a payload that cannot be stored, no modality of the model) is a RecordError for that
+line, so `--skip-bad` can leave it out and name it. A field that is no modality of the model is
+left out of the record and named once per job (`Record.ignored`, `Checked.ignored`): a file
+may carry more modalities than one model uses. indexer.ingest.checks checks whole chunks
 at once and hands the records its fast checks do not clear to the Validator, so both name a bad
 record alike.
 """
@@ -23,7 +25,7 @@ from indexer.store.fields import FieldsWriter, FieldValueError
 from models.encoders import decode
 from models.limits import DEFAULT_LIMITS, InputError, InputLimits
 from models.model import MultimodalModel
-from models.records import RecordError, parse_line, record_id
+from models.records import RecordError, near_miss, parse_line, record_id
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class Record:
     line: int | None
     payload_json: bytes  # the payload as compact JSON, as the record store keeps it
     inputs: dict[str, Any]  # modality -> decoded input
+    ignored: tuple[str, ...] = ()  # its fields that are no modality of the model
 
     def presence(self, names: list[str]) -> list[bool]:
         return [n in self.inputs for n in names]
@@ -74,6 +77,15 @@ def payload_json(payload: Any, line: int | None, rid: str) -> bytes:
         raise RecordError(f"payload: cannot be stored ({exc})", line, rid) from None
 
 
+def no_modality(names: list[str], ignored: tuple[str, ...]) -> str:
+    """Why a record with none of the model's modalities is bad, with what it has instead."""
+    if not ignored:
+        return "record has no modality"
+    hints = "".join(near_miss(k, names) for k in ignored[:1])
+    has = ", ".join(repr(k) for k in ignored)
+    return f"record has no modality of the model ({', '.join(names)}), only {has}{hints}"
+
+
 @dataclass
 class Validator:
     """Checks records one by one against the model: the reference for every message.
@@ -107,23 +119,20 @@ class Validator:
             except FieldValueError as exc:
                 raise RecordError(str(exc), line, rid) from None
         inputs = {}
+        ignored = tuple(
+            k for k in obj if k not in self.model.cfg.modalities and k not in RESERVED_KEYS
+        )
         for key, value in obj.items():
-            if key in RESERVED_KEYS or value is None:
+            if key in RESERVED_KEYS or value is None or key in ignored:
                 continue
-            if key not in self.model.cfg.modalities:
-                raise RecordError(
-                    f"unknown modality {key!r} (model has: {', '.join(self.model.names)})",
-                    line,
-                    rid,
-                )
             try:
                 cfg = self.model.cfg.modalities[key]
                 inputs[key] = decode(value, cfg, self.base_dir, self.limits)
             except InputError as exc:
                 raise RecordError(f"{key}: {exc}", line, rid) from None
         if not inputs:
-            raise RecordError("record has no modality", line, rid)
-        return Record(rid, line, payload, inputs)
+            raise RecordError(no_modality(self.model.names, ignored), line, rid)
+        return Record(rid, line, payload, inputs, ignored)
 
     def _check(self, line: int | None, raw: RawRecord) -> Record:
         obj, rid = self.parse(line, raw)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from models.config import ConfigError, RunConfig
 from models.errors import CheckpointError, PluginError, PretrainedError
-from models.records import RecordError
+from models.records import RecordError, display_path
 
 if TYPE_CHECKING:
     from models.train.checkpoints import CheckpointStore
@@ -75,11 +75,12 @@ def run(args: argparse.Namespace) -> int:
     cfg = replace(cfg, model=resolve_options(cfg.model))
     prepare_out_dir(args.out, args.overwrite)  # fail before the expensive part
     store = _checkpoints(args, cfg.train.checkpoint_every)
-    log.info("indexing training records in %s", cfg.records_path)
+    records = display_path(cfg.records_path)  # as every command names a file
+    log.info("indexing training records in %s", records)
     try:
         data = RecordsFile.scan(cfg.records_path, cfg.model, cfg.input_limits())
     except RecordError as exc:  # the one line names the file as well as the line
-        raise exc.in_file(str(cfg.records_path)) from None
+        raise exc.in_file(records) from None
     log.info(
         "%d training tuples, modalities %s, head %s", len(data), cfg.model.names, cfg.model.head
     )

@@ -5,6 +5,7 @@ file on demand instead."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,9 @@ import torch
 from models.config import ModelConfig
 from models.encoders import decode
 from models.limits import DEFAULT_LIMITS, InputError, InputLimits
-from models.records import RecordError, iter_jsonl, record_id
+from models.records import RecordError, closest, ignored_line, iter_jsonl, record_id
+
+log = logging.getLogger(__name__)
 
 
 def input_key(item: Any) -> int:
@@ -39,18 +42,35 @@ class TupleSource(Protocol):
     ) -> tuple[dict[str, list[Any]], dict[str, torch.Tensor]]: ...
 
 
-def check_modalities(obj: dict[str, Any], cfg: ModelConfig, line: int, rid: str) -> None:
-    """A training record names only the model's modalities, and every one of them."""
-    unknown = [k for k in obj if k not in cfg.modalities and k not in ("id", "payload")]
-    if unknown:
-        raise RecordError(
-            f"unknown modality {unknown[0]!r} (model has: {', '.join(cfg.names)})", line, rid
-        )
+def check_modalities(obj: dict[str, Any], cfg: ModelConfig, line: int, rid: str) -> list[str]:
+    """A training record has every modality of the model; returns its other fields (no
+    modality of the model), which training leaves out."""
+    extra = [k for k in obj if k not in cfg.modalities and k not in ("id", "payload")]
     for name in cfg.names:
         if name not in obj:
+            typo = closest(name, extra)
+            hint = f" (the record has {typo!r}: a typo?)" if typo else ""
             raise RecordError(
-                f"training records need every modality; {name!r} is missing", line, rid
+                f"training records need every modality; {name!r} is missing{hint}", line, rid
             )
+    return extra
+
+
+class IgnoredFields:
+    """Fields of the records that no modality of the model takes: named in one line at the
+    end of a scan."""
+
+    def __init__(self) -> None:
+        self.first: dict[str, int] = {}  # field -> first line
+
+    def add(self, fields: list[str], line: int) -> None:
+        for name in fields:
+            self.first.setdefault(name, line)
+
+    def report(self, cfg: ModelConfig) -> None:
+        if self.first:
+            where = {k: f"line {v}" for k, v in sorted(self.first.items())}
+            log.warning("%s", ignored_line(where, cfg.names))
 
 
 @dataclass
@@ -86,12 +106,13 @@ def load_training_records(
     """Decode a whole records file into memory (small sets; `hclip train` reads lazily)."""
     items: dict[str, list[Any]] = {n: [] for n in cfg.names}
     seen: dict[str, int] = {}
+    ignored = IgnoredFields()
     for line, obj in iter_jsonl(path):
         rid = record_id(obj, line)
         if rid in seen:
             raise RecordError(f"duplicate id, first seen on line {seen[rid]}", line, rid)
         seen[rid] = line
-        check_modalities(obj, cfg, line, rid)
+        ignored.add(check_modalities(obj, cfg, line, rid), line)
         for name in cfg.names:
             try:
                 items[name].append(decode(obj[name], cfg.modalities[name], path.parent, limits))
@@ -99,4 +120,5 @@ def load_training_records(
                 raise RecordError(f"{name}: {exc}", line, rid) from None
     if not seen:
         raise RecordError(f"{path}: no records")
+    ignored.report(cfg)
     return TupleDataset.from_items(items)

@@ -23,11 +23,33 @@ import torch
 from models.config import ModelConfig
 from models.encoders import decode
 from models.limits import DEFAULT_LIMITS, InputError, InputLimits
-from models.records import RecordError, parse_line, record_id
-from models.train.data import check_modalities, input_key
+from models.records import BadLines, RecordError, display_path, parse_line, record_id
+from models.train.data import IgnoredFields, check_modalities, input_key
 
 # Decoding these costs about as much as the JSON parse, so the scan checks them all up front.
 CHEAP_KINDS = ("vector", "embedding", "text")
+
+
+def _scan_line(
+    line: bytes,
+    line_no: int,
+    cfg: ModelConfig,
+    base_dir: Path,
+    limits: InputLimits,
+    ignored: IgnoredFields,
+) -> str:
+    """The id of a line the scan accepts, after the checks that are cheap to make."""
+    obj = parse_line(line, line_no)
+    rid = record_id(obj, line_no)
+    ignored.add(check_modalities(obj, cfg, line_no, rid), line_no)
+    for name in cfg.names:
+        m = cfg.modalities[name]
+        if m.kind in CHEAP_KINDS:
+            try:
+                decode(obj[name], m, base_dir, limits)
+            except InputError as exc:
+                raise RecordError(f"{name}: {exc}", line_no, rid) from None
+    return rid
 
 
 def _id_hash(rid: str) -> int:
@@ -66,34 +88,32 @@ class RecordsFile:
         if not path.is_file():
             raise RecordError(f"records file not found: {path}")
         spans, hashes = array("q"), array("Q")
+        bad, ignored = BadLines(display_path(path)), IgnoredFields()
         offset = 0
         with open(path, "rb") as f:
             for line_no, line in enumerate(f, start=1):
                 start, offset = offset, offset + len(line)
                 if not line.strip():
                     continue
-                obj = parse_line(line, line_no)
-                rid = record_id(obj, line_no)
-                check_modalities(obj, cfg, line_no, rid)
-                for name in cfg.names:
-                    m = cfg.modalities[name]
-                    if m.kind in CHEAP_KINDS:
-                        try:
-                            decode(obj[name], m, path.parent, limits)
-                        except InputError as exc:
-                            raise RecordError(f"{name}: {exc}", line_no, rid) from None
+                try:
+                    rid = _scan_line(line, line_no, cfg, path.parent, limits, ignored)
+                except RecordError as exc:  # every bad line is named, up to a limit
+                    bad.add(exc)
+                    continue
                 spans.extend((start, offset))
                 hashes.append(_id_hash(rid))
-        if not hashes:
+        if not hashes and not bad:
             raise RecordError(f"{path}: no records")
         spans_2d = np.frombuffer(spans, dtype=np.int64).reshape(-1, 2)
         records = RecordsFile(path, cfg, spans_2d, limits)
-        records._check_unique_ids(np.frombuffer(hashes, dtype=np.uint64))
+        records._check_unique_ids(np.frombuffer(hashes, dtype=np.uint64), bad)
+        ignored.report(cfg)
+        bad.raise_any()
         return records
 
-    def _check_unique_ids(self, hashes: np.ndarray) -> None:
+    def _check_unique_ids(self, hashes: np.ndarray, bad: BadLines) -> None:
         """Ids are compared by 64-bit hash (8 bytes a record, not a set of strings); a repeat is
-        confirmed on the ids themselves and reported at its first repetition in the file."""
+        confirmed on the ids themselves and joins `bad` at each repetition in the file."""
         order = np.argsort(hashes, kind="stable")
         sorted_h = hashes[order]
         repeats = np.flatnonzero(sorted_h[1:] == sorted_h[:-1]) + 1  # positions in sorted order
@@ -104,9 +124,12 @@ class RecordsFile:
             for earlier in order[group:pos]:
                 if self._id(int(earlier)) == rid:
                     first = self.line_of(int(earlier))
-                    raise RecordError(
-                        f"duplicate id, first seen on line {first}", self.line_of(later), rid
+                    bad.add(
+                        RecordError(
+                            f"duplicate id, first seen on line {first}", self.line_of(later), rid
+                        )
                     )
+                    break
 
     def _file(self) -> int:
         if self._fd is None:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from indexer.store import artifact
+from models.records import MAX_REPORTED
 from tests.conftest import index_build, make_model_dir, run_cli, write_jsonl
 
 MODS = {
@@ -52,7 +53,10 @@ CASES = [
     ),
     (lambda r: r.update(vec=[1.0, 2.0]), "line 3, id 'g2': vec: vector must have length 3, got 2"),
     (lambda r: r.update(vec=[1.0, 1e309, 2.0]), "line 3, id 'g2': not valid JSON (Infinity"),
-    (lambda r: r.update(smell="roses"), "line 3, id 'g2': unknown modality 'smell'"),
+    (
+        lambda r: r.update(vec=None, image=None, audio=None, smell="roses"),
+        "line 3, id 'g2': record has no modality of the model (audio, image, vec), only 'smell'",
+    ),
     (lambda r: r.update(payload=[1]), "line 3, id 'g2': 'payload' must be a JSON object"),
     (lambda r: r.update(id=7), "line 3: 'id' must be a non-empty string"),
     (lambda r: r.update(vec="abc"), "line 3, id 'g2': vec: vector must be a list of numbers"),
@@ -140,14 +144,14 @@ def test_skip_bad_leaves_each_kind_of_bad_record_out(
 def test_skip_bad_reports_and_leaves_them_out(tmp_path: Path, mm_model: Path, capsys) -> None:
     rows = [good(i) for i in range(6)]
     rows[2]["vec"] = [1.0]
-    rows[4]["smell"] = "roses"
+    rows[4] = {"id": "g4", "vec": None, "sound": "roses"}
     rows[5]["id"] = "g0"
     write_jsonl(tmp_path / "r.jsonl", rows)
     root = tmp_path / "root"
     assert index_build(mm_model, tmp_path / "r.jsonl", root, "--skip-bad") == 0
     out = capsys.readouterr().out
     assert "rejected line 3, id 'g2': vec: vector must have length 3" in out
-    assert "rejected line 5, id 'g4': unknown modality 'smell'" in out
+    assert "rejected line 5, id 'g4': record has no modality of the model" in out
     assert "rejected line 6, id 'g0': duplicate id, first seen on line 1" in out
     m = artifact.read_manifest(artifact.current_version_dir(root))
     assert m["counts"] == {
@@ -155,6 +159,55 @@ def test_skip_bad_reports_and_leaves_them_out(tmp_path: Path, mm_model: Path, ca
         "by_modality": {"audio": 3, "image": 3, "vec": 3},
         "rejected": 3,
     }
+
+
+def test_one_run_names_every_bad_line_up_to_a_limit(tmp_path: Path, mm_model: Path, capsys) -> None:
+    """Without --skip-bad, one run names every bad line in order (a truncated one at its end),
+    so a file is fixed in one pass; a file of nothing but bad lines stops at the limit."""
+    lines = [json.dumps(good(i)) for i in range(8)]
+    lines[1] = lines[1][: lines[1].index("data:audio") + 50]  # cut inside the audio's data URI
+    lines[4] = json.dumps({**good(4), "vec": [1.0]})
+    lines[6] = json.dumps({**good(6), "id": "g0"})
+    (tmp_path / "r.jsonl").write_text("\n".join(lines) + "\n")
+    root = tmp_path / "root"
+    assert index_build(mm_model, tmp_path / "r.jsonl", root) == 2
+    err = capsys.readouterr().err.splitlines()
+    at = next(i for i, x in enumerate(err) if "3 bad records" in x)
+    assert err[at].endswith(
+        "r.jsonl: 3 bad records; fix them, or pass --skip-bad to leave them out:"
+    )
+    end = len(lines[1])
+    assert err[at + 1 :] == [
+        f"  line 2: not valid JSON: the line ends at column {end} inside a string that starts "
+        f"at column {lines[1].index('data:audio')} (is it cut short?)",  # its opening quote
+        "  line 5, id 'g4': vec: vector must have length 3, got 1",
+        "  line 7, id 'g0': duplicate id, first seen on line 1",
+    ]
+    assert artifact.read_current(root) is None and artifact.list_versions(root) == []
+
+    (tmp_path / "all-bad.jsonl").write_text("[1]\n" * (MAX_REPORTED + 5))
+    assert index_build(mm_model, tmp_path / "all-bad.jsonl", root) == 2
+    err = capsys.readouterr().err
+    assert f"the first {MAX_REPORTED} bad records (checking stopped there)" in err
+    assert err.count("expected a JSON object") == MAX_REPORTED
+
+
+def test_fields_the_model_lacks_are_left_out_and_named_once(
+    tmp_path: Path, mm_model: Path, caplog
+) -> None:
+    """A file may hold more modalities than the model: they are left out, in one line."""
+    rows = [{**good(i), "sound": [1, 2], "captoin": "x"} for i in range(4)]
+    write_jsonl(tmp_path / "r.jsonl", rows)
+    root = tmp_path / "root"
+    assert index_build(mm_model, tmp_path / "r.jsonl", root) == 0
+    err = caplog.text
+    assert err.count("ignored fields") == 1, err
+    assert (
+        "ignored fields that are no modality of the model (audio, image, vec): "
+        "'captoin' (first on line 1), 'sound' (first on line 1)"
+    ) in err
+    m = artifact.read_manifest(artifact.current_version_dir(root))
+    assert m["counts"]["records"] == 4 and m["counts"]["rejected"] == 0
 
 
 def test_vector_model_with_a_missing_records_file(tmp_path: Path, capsys) -> None:

@@ -50,12 +50,12 @@ def reference(model: MultimodalModel, files: RecordFiles, fields: tuple[str, ...
     """Record by record, as the engine checked records before the columnar path."""
     v = Validator(model, files.base_dir, skip_bad=True, filter_fields=fields)
     accepted = [r for loc, raw in files.iter_records() if (r := v.check(loc, raw)) is not None]
-    return accepted, v.rejected
+    return accepted, v.rejected, {k for r in accepted for k in r.ignored}
 
 
 def columnar(
     model: MultimodalModel, files: RecordFiles, rows: int, fields: tuple[str, ...] = ()
-) -> tuple[list[dict[str, Any]], list[Rejected]]:
+) -> tuple[list[dict[str, Any]], list[Rejected], set[str]]:
     checker = ChunkChecker(Validator(model, files.base_dir, filter_fields=fields))
     admission = Admission(files, skip_bad=True)
     out: list[dict[str, Any]] = []
@@ -71,14 +71,17 @@ def columnar(
             out.append({"id": got.ids[i], "payload": got.payloads[i], "inputs": inputs})
     # the fast path must carry the clean records: only the others go to the reference
     assert checker.referred <= len(admission.rejected) + len(files.files) * 2
-    return out, admission.rejected
+    return out, admission.rejected, set(admission.ignored)
 
 
 def assert_same(model: MultimodalModel, files: RecordFiles, fields: tuple[str, ...] = ()) -> int:
-    ref_ok, ref_bad = reference(model, files, fields)
+    ref_ok, ref_bad, ref_ignored = reference(model, files, fields)
     for rows in (1, 3, 8192):  # chunk boundaries anywhere, or one chunk for all
-        got_ok, got_bad = columnar(model, files, rows, fields)
+        got_ok, got_bad, got_ignored = columnar(model, files, rows, fields)
         assert [r.to_dict() for r in got_bad] == [r.to_dict() for r in ref_bad]
+        # Fields that are no modality are left out and named: every one the reference names
+        # (the fast checks may also name one that only a rejected record holds).
+        assert got_ignored >= ref_ignored
         assert [g["id"] for g in got_ok] == [r.id for r in ref_ok]
         for g, r in zip(got_ok, ref_ok, strict=True):
             assert g["payload"] == r.payload_json
@@ -217,6 +220,14 @@ def test_clean_vector_lines_never_reach_the_reference(tmp_path: Path) -> None:
     assert checker.referred == 0
     assert sum(len(c.rows) for c in got) == 50
     assert assert_same(model, files) == 0
+    # Fields of another model on every line: the general path takes them, none one by one.
+    write_jsonl(tmp_path / "x.jsonl", [{**r, "sound": [1, 2], "t": "x"} for r in rows])
+    files = RecordFiles.resolve(tmp_path / "x.jsonl")
+    checker = ChunkChecker(Validator(model, files.base_dir))
+    got = [checker.check(c) for c in files.chunks(16)]
+    assert checker.referred == 0 and sum(len(c.rows) for c in got) == 50
+    assert got[0].ignored == {"sound": got[0].rows.locs[0], "t": got[0].rows.locs[0]}
+    assert assert_same(model, files) == 0
 
 
 def parquet_table(rows: list[dict[str, Any]], vec_type: pa.DataType) -> pa.Table:
@@ -271,11 +282,11 @@ def test_parquet_bad_vectors(tmp_path: Path) -> None:
             "id": [r["id"] for r in rows],
             "payload": [{"symbol": r["payload"]["symbol"], "tag": None} for r in rows],
             **{m: pa.array([r[m] for r in rows], pa.list_(pa.float64())) for m in DIMS},
-            "smell": [None] * 11 + ["roses"],  # an unknown column, empty but for one row
+            "smell": [None] * 11 + ["roses"],  # no modality, empty but for one row: left out
         }
     )
     pq.write_table(table, tmp_path / "r.parquet")
-    assert assert_same(model, RecordFiles.resolve(tmp_path / "r.parquet")) == 5
+    assert assert_same(model, RecordFiles.resolve(tmp_path / "r.parquet")) == 4
     # a column of booleans: every row with a value goes to the reference
     flags = table.set_column(
         table.schema.get_field_index("a"),
@@ -304,7 +315,7 @@ def test_columnar_build_equals_the_record_by_record_build(tmp_path: Path) -> Non
     # the reference, as the engine wrote a version before: one record at a time, 64 per batch
     model = load_model(model_dir)
     files = RecordFiles.resolve(tmp_path / "r.jsonl")
-    accepted, rejected = reference(model, files)
+    accepted, rejected, _ = reference(model, files)
     ref_dir = tmp_path / "ref"
     ref_dir.mkdir()
     writer = RowWriter(ref_dir, model.names, model.cfg.latent_dim)

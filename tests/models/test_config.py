@@ -36,6 +36,44 @@ def test_bad_model_config_names_the_field(cfg: dict, field: str) -> None:
         ModelConfig.from_dict(cfg)
 
 
+@pytest.mark.parametrize(
+    ("cfg", "message"),
+    [
+        (
+            model(a={"kind": "text", "hiden": 8}, b={"kind": "text"}),
+            "modalities.a.hiden: unknown field (did you mean 'hidden'?) "
+            "(kind 'text' takes: kind, hidden)",
+        ),
+        (
+            model(a={"kind": "audio", "sample_rte": 8000}, b={"kind": "text"}),
+            "modalities.a.sample_rte: unknown field (did you mean 'sample_rate'?) (kind 'audio' "
+            "takes: kind, hidden, conv_width, sample_rate, max_seconds, n_mels, hop_ms)",
+        ),
+        (  # no near miss: the kind's own keys, still
+            model(a={"kind": "vector", "dim": 3, "colour": 1}, b={"kind": "text"}),
+            "modalities.a.colour: unknown field (kind 'vector' takes: kind, dim, hidden)",
+        ),
+        (  # no kind to go by: every key
+            model(a={"kind": ["text"], "colour": 1}, b={"kind": "text"}),
+            "modalities.a.colour: unknown field (allowed: channels, conv_width, dim, hidden, ",
+        ),
+    ],
+)
+def test_an_unknown_key_names_a_near_miss_and_only_its_kind_s_keys(cfg: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        ModelConfig.from_dict(cfg)
+    assert str(exc.value).startswith(message)
+
+
+def test_an_unknown_train_key_names_a_near_miss(tmp_path: Path) -> None:
+    cfg = {**model(a={"kind": "text"}, b={"kind": "text"}), "train": {"records": "r", "epoch": 3}}
+    (tmp_path / "c.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ConfigError, match=r"^train.epoch: unknown field \(did you mean 'epochs'\?\)"
+    ):
+        RunConfig.load(tmp_path / "c.json")
+
+
 def test_model_config_round_trips() -> None:
     cfg = ModelConfig.from_dict(
         model(

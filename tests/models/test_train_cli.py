@@ -9,7 +9,7 @@ import pytest
 
 from app.cli import main
 from models.checkpoint import load_model
-from tests.conftest import vector_records, write_jsonl
+from tests.conftest import index_build, make_model_dir, vector_records, write_jsonl
 
 
 def test_train_end_to_end(vector_config: Path, tmp_path: Path, capsys) -> None:
@@ -39,7 +39,6 @@ def test_training_is_reproducible(vector_config: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (lambda r: r[3].update(smell=[1.0]), "line 4, id 'r-00003': unknown modality 'smell'"),
         (lambda r: r[2].update(a=[1.0, 2.0]), "line 3, id 'r-00002': a: vector must have length 6"),
         (
             lambda r: r[5].__setitem__("id", "r-00001"),
@@ -62,6 +61,54 @@ def test_bad_records_name_the_line_and_leave_nothing(
     assert f"train.jsonl, {message}" in capsys.readouterr().err  # the file, its line, what
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_fields_the_model_lacks_are_left_out(vector_config: Path, tmp_path: Path, caplog) -> None:
+    """Training on two of a file's modalities: the others are left out, in one line."""
+    rows = vector_records(64, {"a": 6, "b": 5, "c": 4, "sound": 3})
+    write_jsonl(tmp_path / "train.jsonl", rows)
+    out = tmp_path / "model"
+    assert main(["train", "--config", str(vector_config), "--out", str(out), "--quiet"]) == 0
+    lines = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert lines == [
+        "ignored fields that are no modality of the model (a, b, c): 'sound' (first on line 1)"
+    ]
+
+
+def test_one_run_names_every_bad_line_as_the_build_names_them(
+    vector_config: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
+    """`hclip train` names every bad line in one run, and names the file as `index build`
+    does: relative to the working directory when inside it, else absolute."""
+    rows = vector_records(64, {"a": 6, "b": 5, "c": 4})
+    rows[2]["a"] = [1.0, 2.0]
+    rows[5]["id"] = "r-00001"
+    lines = [json.dumps(r) for r in rows]
+    lines[9] = lines[9][:-20]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    model_dir = make_model_dir(tmp_path / "built")
+    for cwd in (tmp_path, tmp_path.parent / "elsewhere"):
+        cwd.mkdir(exist_ok=True)
+        monkeypatch.chdir(cwd)
+        name = "train.jsonl" if cwd == tmp_path else str(tmp_path / "train.jsonl")
+        out = tmp_path / "model"
+        assert main(["train", "--config", str(vector_config), "--out", str(out), "--quiet"]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert err == [
+            f"hclip train: error: {name}: 3 bad records; fix them:",
+            "  line 3, id 'r-00002': a: vector must have length 6, got 2",
+            "  line 6, id 'r-00001': duplicate id, first seen on line 2",
+            f"  line 10: not valid JSON: the line ends at column {len(lines[9])} with 2 brackets "
+            "still open (is it cut short?)",
+        ]
+        assert not out.exists()
+        assert index_build(model_dir, Path(name), tmp_path / "root") == 2
+        build = capsys.readouterr().err.splitlines()
+        assert build[0] == (
+            f"hclip index build: error: {name}: 3 bad records; fix them, or pass --skip-bad to "
+            "leave them out:"
+        )
+        assert build[1:] == err[1:]
 
 
 def test_nan_in_a_record_is_refused(vector_config: Path, tmp_path: Path, capsys) -> None:
