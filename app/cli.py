@@ -20,6 +20,7 @@ from app.core.logs import configure_logging
 
 COMMANDS = {
     "train": "train a model from a JSON config",
+    "eval": "retrieval figures of a model on held-out records, exact or through an index",
     "index": "build, update and maintain versioned indexes",
     "serve": "serve the published index over HTTP",
     "demo": "digits shown, spoken and written: build, then serve",
@@ -48,6 +49,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         train = sub.add_parser("train", help=COMMANDS["train"])
         train_cli.add_arguments(train)
         train.set_defaults(func=lambda a: train_cli.run(a))
+
+    if "eval" in wanted:
+        from indexer import evaluate as eval_cli
+
+        evaluate = sub.add_parser("eval", help=COMMANDS["eval"])
+        eval_cli.add_arguments(evaluate)
+        evaluate.set_defaults(func=eval_cli.run)
 
     if "index" in wanted:
         from indexer import cli as index_cli
@@ -128,11 +136,20 @@ def user_errors() -> tuple[type[Exception], ...]:
     from app.api.auth import KeyFileError
     from app.demo.data import DemoError
     from indexer.cli import USER_ERRORS as INDEX_ERRORS
+    from indexer.evaluate import EvalError
     from models.extras import ExtraMissing
     from models.limits import InputError
     from models.train.cli import USER_ERRORS
 
-    return (*USER_ERRORS, *INDEX_ERRORS, InputError, DemoError, ExtraMissing, KeyFileError)
+    return (
+        *USER_ERRORS,
+        *INDEX_ERRORS,
+        EvalError,
+        InputError,
+        DemoError,
+        ExtraMissing,
+        KeyFileError,
+    )
 
 
 # Commands whose work is complete and durable when main() returns (an index version is fsynced

@@ -26,6 +26,7 @@ import torch
 from models.config import ModalityConfig, ModelConfig, TrainConfig
 from models.extras import require
 from models.heads import default_views, split_modalities, view_name
+from models.metrics import first_relevant_rank, hit_at
 from models.model import MultimodalModel
 from models.train.data import TupleDataset
 from models.train.trainer import train_model
@@ -126,15 +127,12 @@ def evaluate(
     for view in default_views(task.names):
         q, t = split_modalities(model.names, view)
         scores = model.head.query_factor(embq, q) @ model.head.record_factor(embg, t).T  # (Nq, G)
-        top1 = scores.argmax(dim=1).numpy()
         nq, ng = scores.shape
         # relevance of every (query, gallery) combination, to measure chance exactly
         combo = {n: np.repeat(sq[n], ng) for n in q} | {n: np.tile(sg[n], nq) for n in t}
         rel = task.relevant(combo).reshape(nq, ng)
-        out[view_name(view)] = {
-            "top1": float(rel[np.arange(nq), top1].mean()),
-            "chance": float(rel.mean()),
-        }
+        ranks = first_relevant_rank(scores, torch.from_numpy(rel)).numpy()  # (Nq,)
+        out[view_name(view)] = {"top1": hit_at(ranks, 1), "chance": float(rel.mean())}
     return out
 
 

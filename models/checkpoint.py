@@ -41,8 +41,11 @@ def save_model(
     out: str | Path,
     extra: dict[str, Any] | None = None,
     overwrite: bool = False,
+    files: dict[str, str] | None = None,
 ) -> Path:
-    """Write the model directory next to `out` under a temporary name, then rename it into place.
+    """Write the model directory next to `out` under a temporary name, then rename it into place;
+    `files` (name -> text) are written beside the config (training's validation figures and
+    metrics: not part of the model, nor of its fingerprint).
 
     A crash at any point leaves either the old `out` or the new one, never a mixture.
     """
@@ -55,6 +58,8 @@ def save_model(
         save_file(state, str(tmp / WEIGHTS_FILE), metadata={"format": "hclip"})
         config = {"format_version": FORMAT_VERSION, **model.cfg.to_dict(), **(extra or {})}
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
 
     return replace_dir(out, f".{out.name}.tmp-", fill)
 

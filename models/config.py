@@ -27,7 +27,16 @@ DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16")
 # Train settings that may change between a checkpoint and its resumption: they alter how fast
 # a run goes, never where it ends.
-RESUMABLE_CHANGES = ("num_workers", "num_threads", "log_every", "checkpoint_every", "device")
+RESUMABLE_CHANGES = (
+    "num_workers",
+    "num_threads",
+    "log_every",
+    "checkpoint_every",
+    "device",
+    "log_dir",
+)
+KEEPS = ("last", "best")
+VALIDATION_UNITS = ("epochs", "steps")
 
 
 class ConfigError(ValueError):
@@ -309,6 +318,46 @@ class ModelConfig:
         }
 
 
+def _every(value: Any, path: str) -> tuple[int, str]:
+    """`every`: a number of epochs, or "N epochs" / "N steps"."""
+    if isinstance(value, str):
+        parts = value.split()
+        unit = parts[1] if len(parts) == 2 else ""
+        if len(parts) == 2 and parts[0].isdigit() and unit.rstrip("s") + "s" in VALIDATION_UNITS:
+            return _int(int(parts[0]), path), unit.rstrip("s") + "s"
+        raise ConfigError(f'{path}: expected a number of epochs, "N epochs" or "N steps"')
+    return _int(value, path), "epochs"
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """`train.validation`: held-out records and when to evaluate retrieval on them."""
+
+    records: str
+    every: int = 1
+    unit: str = "epochs"  # or "steps"
+    max_records: int = 0  # 0: every record of the file
+    candidates: int = 0  # records each query is ranked against; 0: all of them
+
+    @staticmethod
+    def from_dict(obj: Any) -> ValidationConfig:
+        path = "train.validation"
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{path}: expected an object with 'records'")
+        _check_keys(obj, {"records", "every", "max_records", "candidates"}, path + ".")
+        records = _req(obj, "records", path + ".")
+        if not isinstance(records, str) or not records:
+            raise ConfigError(f"{path}.records: expected a path string")
+        every, unit = _every(obj.get("every", 1), f"{path}.every")
+        return ValidationConfig(
+            records=records,
+            every=every,
+            unit=unit,
+            max_records=_int(obj.get("max_records", 0), f"{path}.max_records", minimum=0),
+            candidates=_int(obj.get("candidates", 0), f"{path}.candidates", minimum=0),
+        )
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     records: str
@@ -327,6 +376,9 @@ class TrainConfig:
     queue_size: int = 0  # negatives kept from earlier batches (full_conditional loss); 0: none
     queue_momentum: float = 0.999  # with a queue: EMA rate of the candidates' encoders (MoCo)
     media_root: str | None = None  # where media paths may lead; None: the records file's folder
+    validation: ValidationConfig | None = None  # held-out retrieval during training
+    keep: str = "last"  # "best": the weights of the validation point with the best mean hit@1
+    log_dir: str | None = None  # TensorBoard event files and metrics.jsonl go here
 
     @staticmethod
     def from_dict(obj: Any) -> TrainConfig:
@@ -339,6 +391,15 @@ class TrainConfig:
         media_root = obj.get("media_root")
         if media_root is not None and (not isinstance(media_root, str) or not media_root):
             raise ConfigError("train.media_root: expected a directory path string")
+        validation = obj.get("validation")
+        if validation is not None:
+            validation = ValidationConfig.from_dict(validation)
+        keep = _choice(obj.get("keep", "last"), KEEPS, "train.keep")
+        if keep == "best" and validation is None:
+            raise ConfigError("train.keep: 'best' needs train.validation to choose by")
+        log_dir = obj.get("log_dir")
+        if log_dir is not None and (not isinstance(log_dir, str) or not log_dir):
+            raise ConfigError("train.log_dir: expected a directory path string")
         loss = obj.get("loss", "full_conditional")
         if loss not in LOSSES:
             raise ConfigError(f"train.loss: unknown loss {loss!r} (known: {', '.join(LOSSES)})")
@@ -361,6 +422,9 @@ class TrainConfig:
             queue_size=_int(obj.get("queue_size", 0), "train.queue_size", minimum=0),
             queue_momentum=_fraction(obj.get("queue_momentum", 0.999), "train.queue_momentum"),
             media_root=media_root,
+            validation=validation,
+            keep=keep,
+            log_dir=log_dir,
         )
 
 
@@ -375,6 +439,15 @@ class RunConfig:
     @property
     def records_path(self) -> Path:
         return (self.base_dir / self.train.records).resolve()
+
+    @property
+    def validation_path(self) -> Path | None:
+        v = self.train.validation
+        return None if v is None else (self.base_dir / v.records).resolve()
+
+    @property
+    def log_dir(self) -> Path | None:
+        return None if self.train.log_dir is None else (self.base_dir / self.train.log_dir)
 
     def input_limits(self) -> InputLimits:
         """What decoding a training record may read: files inside train.media_root (resolved

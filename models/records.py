@@ -103,9 +103,17 @@ class BadLines:
 
     def _error(self, stopped: bool) -> RecordError:
         self.errors.sort(key=lambda e: e.line if e.line is not None else 0)
+        first = self.errors[0]
         if len(self.errors) == 1 and not stopped:
-            only = self.errors[0]
-            return only if self.file is None else only.in_file(self.file)
+            return first if self.file is None else first.in_file(self.file)
+        if len({e.reason for e in self.errors}) == 1 and all(e.line for e in self.errors):
+            # One mistake on many lines (a file made for another model): said once.
+            lines = ", ".join(str(e.line) for e in self.errors)
+            more = " and maybe more (checking stopped there)" if stopped else ""
+            head = f"{self.file}: " if self.file is not None else ""
+            exc = RecordError(first.reason, first.line, first.record_id, self.file)
+            exc.args = (f"{head}lines {lines}{more}: {first.reason}",)
+            return exc
         return BadRecords(self.errors, self.file, stopped, self.skip)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -12,15 +13,27 @@ from typing import TYPE_CHECKING
 
 from models.config import ConfigError, RunConfig
 from models.errors import CheckpointError, PluginError, PretrainedError
+from models.extras import ExtraMissing
 from models.records import RecordError, display_path
 
 if TYPE_CHECKING:
     from models.train.checkpoints import CheckpointStore
+    from models.train.records_file import RecordsFile
+    from models.train.trainer import TrainResult
 
 log = logging.getLogger(__name__)
 # The trainer (torch) is imported by run(): help and argument errors answer at once.
 
-USER_ERRORS = (ConfigError, RecordError, CheckpointError, PluginError, PretrainedError)
+USER_ERRORS = (
+    ConfigError,
+    RecordError,
+    CheckpointError,
+    PluginError,
+    PretrainedError,
+    ExtraMissing,
+)
+VALIDATION_FILE = "validation.json"  # beside the model: the kept point and every point's figures
+METRICS_FILE = "metrics.jsonl"  # beside the model: the run's logged rows, training and validation
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,10 +77,28 @@ def _checkpoints(args: argparse.Namespace, every: int) -> CheckpointStore | None
     return store if every else None
 
 
+def _records(path: Path, cfg: RunConfig) -> RecordsFile:
+    from models.train.records_file import RecordsFile
+
+    try:
+        return RecordsFile.scan(path, cfg.model, cfg.input_limits())
+    except RecordError as exc:  # the one line names the file as every command does
+        raise exc.in_file(display_path(path)) from None
+
+
+def _beside_model(result: TrainResult, keep: str) -> dict[str, str]:
+    """The files written into the model directory with it."""
+    rows = result.metrics_rows()
+    files = {METRICS_FILE: "".join(json.dumps(r) + "\n" for r in rows)}
+    if result.validation:
+        kept = {"keep": keep, "kept": result.kept, "points": result.validation}
+        files[VALIDATION_FILE] = json.dumps(kept, indent=2) + "\n"
+    return files
+
+
 def run(args: argparse.Namespace) -> int:
     from models.checkpoint import prepare_out_dir, save_model
     from models.plugins import resolve_options
-    from models.train.records_file import RecordsFile
     from models.train.trainer import train_model
 
     cfg = RunConfig.load(args.config)
@@ -75,12 +106,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = replace(cfg, model=resolve_options(cfg.model))
     prepare_out_dir(args.out, args.overwrite)  # fail before the expensive part
     store = _checkpoints(args, cfg.train.checkpoint_every)
-    records = display_path(cfg.records_path)  # as every command names a file
-    log.info("indexing training records in %s", records)
-    try:
-        data = RecordsFile.scan(cfg.records_path, cfg.model, cfg.input_limits())
-    except RecordError as exc:  # the one line names the file as well as the line
-        raise exc.in_file(records) from None
+    log.info("indexing training records in %s", display_path(cfg.records_path))
+    data = _records(cfg.records_path, cfg)
+    held_out = None if cfg.validation_path is None else _records(cfg.validation_path, cfg)
     log.info(
         "%d training tuples, modalities %s, head %s", len(data), cfg.model.names, cfg.model.head
     )
@@ -91,9 +119,12 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,
         checkpoints=store,
         resume=args.resume,
+        validation=held_out,
+        log_dir=cfg.log_dir,
     )
     extra = {"train": cfg.to_dict()["train"], "training": result.summary()}
-    out = save_model(result.model, args.out, extra=extra, overwrite=args.overwrite)
+    files = _beside_model(result, cfg.train.keep)
+    out = save_model(result.model, args.out, extra=extra, overwrite=args.overwrite, files=files)
     if store is not None:
         store.clear()  # the model is safely in place: nothing is left to resume
     print(f"model written to {out}")

@@ -43,15 +43,18 @@ class TupleSource(Protocol):
 
 
 def check_modalities(obj: dict[str, Any], cfg: ModelConfig, line: int, rid: str) -> list[str]:
-    """A training record has every modality of the model; returns its other fields (no
-    modality of the model), which training leaves out."""
+    """A record for training or evaluation has every modality of the model; returns its other
+    fields (no modality of the model), which are left out."""
     extra = [k for k in obj if k not in cfg.modalities and k not in ("id", "payload")]
     for name in cfg.names:
         if name not in obj:
             typo = closest(name, extra)
             hint = f" (the record has {typo!r}: a typo?)" if typo else ""
             raise RecordError(
-                f"training records need every modality; {name!r} is missing{hint}", line, rid
+                f"modality {name!r} is missing (the model needs all of {', '.join(cfg.names)})"
+                + hint,
+                line,
+                rid,
             )
     return extra
 

@@ -148,6 +148,10 @@ class RecordsFile:
     def _id(self, i: int) -> str:
         return str(self._read(i)["id"])
 
+    def id_of(self, i: int) -> str:
+        """Record i's id (read from its line again: ids are not kept in memory)."""
+        return self._id(i)
+
     def line_of(self, i: int) -> int:
         """The 1-based line number of record i, counted only when a message needs it."""
         fd, target, done, newlines = self._file(), int(self.spans[i, 0]), 0, 0

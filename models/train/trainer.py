@@ -8,6 +8,10 @@ alone (one permutation per epoch), never on the number of workers. With a negati
 EMA copy of the encoders (MoCo's momentum encoder) encodes the candidates' side. A resumed run
 restores the model, the optimiser, the queue, the momentum encoders and the RNG, replays the
 permutations to find its place, and ends where an uninterrupted run ends.
+
+With `train.validation` the run evaluates held-out retrieval at its validation points
+(models.train.validation) and, with `train.keep: best`, ends with the weights of the best one;
+with `train.log_dir` it writes TensorBoard event files and JSON Lines (models.train.experiment_log).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import random
 from collections.abc import Generator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,10 +48,12 @@ from models.train.checkpoints import (
     with_prefix,
 )
 from models.train.data import TupleSource
+from models.train.experiment_log import ExperimentLog
 from models.train.feature_cache import FeatureStore, complete
 from models.train.loader import BatchReader, EpochBatches, make_loader, towers_run_in_workers
 from models.train.losses import LossOutput, build_loss
 from models.train.queue import NegativesQueue
+from models.train.validation import Validator
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +68,17 @@ def seed_everything(seed: int) -> None:
 class TrainResult:
     model: MultimodalModel
     history: list[dict[str, float]] = field(default_factory=list)
+    validation: list[dict[str, Any]] = field(default_factory=list)  # one row per point
+    kept: dict[str, Any] | None = None  # the point whose weights the model holds (keep: best)
 
     def summary(self) -> dict[str, Any]:
         last = self.history[-1] if self.history else {}
         return {"steps": int(last.get("step", 0)), "final": last}
+
+    def metrics_rows(self) -> list[dict[str, Any]]:
+        """Training and validation rows in step order: the model directory's metrics.jsonl."""
+        rows = [{"kind": "train", **r} for r in self.history] + self.validation
+        return sorted(rows, key=lambda r: (r["step"], r["kind"] == "validation"))
 
 
 def _lr_at(step: int, total: int, base: float) -> float:
@@ -76,9 +90,18 @@ def _lr_at(step: int, total: int, base: float) -> float:
     return base * (0.05 + 0.95 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
+# Settings newer than some checkpoints: left out of a run's identity at their defaults, so
+# that such a checkpoint still resumes.
+LATER_DEFAULTS: dict[str, Any] = {"validation": None, "keep": "last"}
+
+
 def run_identity(model_cfg: ModelConfig, train_cfg: TrainConfig) -> dict[str, Any]:
     """What a checkpoint and the run resuming it must agree on."""
-    train = {k: v for k, v in asdict(train_cfg).items() if k not in RESUMABLE_CHANGES}
+    train = {
+        k: v
+        for k, v in asdict(train_cfg).items()
+        if k not in RESUMABLE_CHANGES and not (k in LATER_DEFAULTS and v == LATER_DEFAULTS[k])
+    }
     return {"model": model_cfg.to_dict(), "train": train}
 
 
@@ -105,7 +128,11 @@ class Trainer:
         progress: bool = True,
         checkpoints: CheckpointStore | None = None,
         resume: bool = False,
+        validation: TupleSource | None = None,
+        log_dir: Path | None = None,
     ):
+        """`validation`: the held-out records of `train_cfg.validation`; `log_dir`: where the
+        experiment logs go (train.log_dir, resolved)."""
         if train_cfg.num_threads:
             torch.set_num_threads(train_cfg.num_threads)
         self.model_cfg, self.cfg, self.data = model_cfg, train_cfg, data
@@ -136,13 +163,25 @@ class Trainer:
         self.towers: dict[str, tuple[PretrainedFeatures, FeatureStore | None]] = {}
         self.history: list[dict[str, float]] = []
         self._bar: Progress | None = None
+        self.validation_data = validation
+        if (validation is None) != (train_cfg.validation is None):
+            raise ValueError("train.validation and the validation records go together")
+        self.validator: Validator | None = None
+        self.validations: list[dict[str, Any]] = []
+        self.best: dict[str, Any] | None = None
+        self.best_state: dict[str, torch.Tensor] | None = None
+        # Opened now: a missing tensorboard stops the run before it trains.
+        self.log = ExperimentLog(log_dir) if log_dir is not None else None
         if checkpoints is not None:
             checkpoints.remove_partial()
         if resume:
             self._restore()
 
     def result(self) -> TrainResult:
-        return TrainResult(model=self.model, history=self.history)
+        kept = self.best if self.cfg.keep == "best" else None
+        if kept is None and self.validations:
+            kept = self.validations[-1]
+        return TrainResult(self.model, self.history, self.validations, kept)
 
     def steps(self) -> Generator[int, None, None]:
         batches = EpochBatches()
@@ -161,6 +200,16 @@ class Trainer:
             self.cfg.num_workers,
             pin_memory=self.device.type == "cuda",
         )
+        if self.validation_data is not None:
+            assert self.cfg.validation is not None
+            self.validator = Validator(
+                self.cfg.validation,
+                BatchReader(self.validation_data, self.model_cfg, towers_in_workers=in_workers),
+                self.bs,
+                self.loss_fn,
+                self.steps_per_epoch,
+                self.total,
+            )
         order_gen = torch.Generator().manual_seed(self.cfg.seed)
         self._bar = bar = Progress(
             total=self.total,
@@ -189,6 +238,12 @@ class Trainer:
         finally:
             bar.close()
             del loader  # persistent workers end with it
+            if self.log is not None:
+                self.log.close()
+        if self.cfg.keep == "best" and self.best_state is not None:
+            self.model.load_state_dict(self.best_state)
+            assert self.best is not None
+            log.info("kept the weights of step %d (validation)", self.best["step"])
         self.model.eval()
         self.model.to("cpu")  # what callers save, evaluate and serve
 
@@ -197,13 +252,23 @@ class Trainer:
             return nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.amp)
 
+    def _features(self, batch_features: dict[str, Any]) -> dict[str, Any]:
+        """A reader's features on the training device, frozen towers' features completed."""
+        return {
+            n: to_device(complete(x, *self.towers[n]) if n in self.towers else x, self.device)
+            for n, x in batch_features.items()
+        }
+
+    def _embed(self, batch_features: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """(B, d) fp32 embeddings per modality, as a training step computes them."""
+        with self._autocast():
+            embs = self.model(self._features(batch_features))
+        return {n: e.float() for n, e in embs.items()}  # (B, d) each
+
     def _train_step(self, batch: dict[str, Any], epoch: int) -> None:
         if "error" in batch:
             raise RecordError(batch["error"])
-        features = {
-            n: to_device(complete(x, *self.towers[n]) if n in self.towers else x, self.device)
-            for n, x in batch["features"].items()
-        }
+        features = self._features(batch["features"])
         keys = {n: k.to(self.device, non_blocking=True) for n, k in batch["keys"].items()}
         for group in self.opt.param_groups:
             group["lr"] = _lr_at(self.step, self.total, self.cfg.lr)
@@ -227,6 +292,8 @@ class Trainer:
         self.step += 1
         if self.step % self.cfg.log_every == 0 or self.step == self.total:
             self._log(out, epoch)
+        if self.validator is not None and self.validator.due(self.step):
+            self._validate()
         every = self.cfg.checkpoint_every
         # No checkpoint after the last step: the caller saves the finished model.
         due = every > 0 and self.step % every == 0 and self.step < self.total
@@ -258,8 +325,11 @@ class Trainer:
             "mi_bound_bits": out.mi_bound_bits,
             "ceiling_bits": out.ceiling_bits,
             "logit_scale": float(self.model.head.scale.detach()),
+            "lr": float(self.opt.param_groups[0]["lr"]),
         }
         self.history.append(row)
+        if self.log is not None:
+            self.log.write({"kind": "train", **row})
         if self._bar is not None:
             self._bar.set_postfix(
                 loss=f"{row['loss']:.3f}",
@@ -274,6 +344,31 @@ class Trainer:
             row["ceiling_bits"],
         )
 
+    def _validate(self) -> None:
+        assert self.validator is not None
+        self.model.eval()
+        try:
+            figures = self.validator.run(self.model.head, self._embed)
+        finally:
+            self.model.train()
+        epoch = round(self.step / self.steps_per_epoch, 3)
+        row: dict[str, Any] = {"kind": "validation", "step": self.step, "epoch": epoch, **figures}
+        self.validations.append(row)
+        if self.best is None or row["mean_hit@1"] > self.best["mean_hit@1"]:
+            self.best = row
+            if self.cfg.keep == "best":
+                state = self.model.state_dict()
+                self.best_state = {k: v.detach().cpu().clone() for k, v in state.items()}
+        if self.log is not None:
+            self.log.write(row)
+        log.info(
+            "validation at step %d (epoch %s): mean hit@1 %.3f, MI >= %.2f bits",
+            self.step,
+            epoch,
+            row["mean_hit@1"],
+            row["mi_bound_bits"],
+        )
+
     def _save(self) -> None:
         assert self.checkpoints is not None
         opt_tensors, groups = optimizer_state(self.opt)
@@ -283,7 +378,11 @@ class Trainer:
             "run": run_identity(self.model_cfg, self.cfg),
             "history": self.history,
             "optim_groups": groups,
+            "validations": self.validations,
+            "best": self.best,
         }
+        if self.best_state is not None:
+            tensors |= with_prefix("best", self.best_state)
         if self.queue is not None and self.momentum is not None:
             queue_tensors, meta["queue"] = self.queue.state()
             tensors |= with_prefix("queue", queue_tensors)
@@ -313,6 +412,10 @@ class Trainer:
         load_rng_state(under_prefix("rng", tensors))
         self.step = int(state["step"])
         self.history = list(state["history"])
+        self.validations = list(state.get("validations", []))
+        self.best = state.get("best")
+        best = under_prefix("best", tensors)
+        self.best_state = best or None
         log.info("resuming from step %d/%d (%s)", self.step, self.total, path)
 
 
@@ -323,8 +426,12 @@ def train_model(
     progress: bool = True,
     checkpoints: CheckpointStore | None = None,
     resume: bool = False,
+    validation: TupleSource | None = None,
+    log_dir: Path | None = None,
 ) -> TrainResult:
-    trainer = Trainer(model_cfg, train_cfg, data, progress, checkpoints, resume)
+    trainer = Trainer(
+        model_cfg, train_cfg, data, progress, checkpoints, resume, validation, log_dir
+    )
     for _ in trainer.steps():
         pass
     return trainer.result()

@@ -185,11 +185,23 @@ def test_one_run_names_every_bad_line_up_to_a_limit(tmp_path: Path, mm_model: Pa
     ]
     assert artifact.read_current(root) is None and artifact.list_versions(root) == []
 
-    (tmp_path / "all-bad.jsonl").write_text("[1]\n" * (MAX_REPORTED + 5))
+    # nothing but bad lines: checking stops at the limit; one mistake throughout is said once
+    bad = [json.dumps({**good(i), "vec": [1.0]}) if i % 2 else "[1]" for i in range(30)]
+    (tmp_path / "all-bad.jsonl").write_text("\n".join(bad) + "\n")
     assert index_build(mm_model, tmp_path / "all-bad.jsonl", root) == 2
-    err = capsys.readouterr().err
-    assert f"the first {MAX_REPORTED} bad records (checking stopped there)" in err
-    assert err.count("expected a JSON object") == MAX_REPORTED
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].endswith(
+        f"the first {MAX_REPORTED} bad records (checking stopped there); fix them, or pass "
+        "--skip-bad to leave them out:"
+    )
+    assert len(err) == 1 + MAX_REPORTED and err[-1].startswith(f"  line {MAX_REPORTED}, id ")
+    (tmp_path / "same.jsonl").write_text("[1]\n" * (MAX_REPORTED + 5))
+    assert index_build(mm_model, tmp_path / "same.jsonl", root) == 2
+    lines = ", ".join(str(i) for i in range(1, MAX_REPORTED + 1))
+    assert capsys.readouterr().err.endswith(
+        f"same.jsonl: lines {lines} and maybe more (checking stopped there): "
+        "expected a JSON object\n"
+    )
 
 
 def test_fields_the_model_lacks_are_left_out_and_named_once(

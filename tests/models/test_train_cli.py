@@ -46,7 +46,7 @@ def test_training_is_reproducible(vector_config: Path, tmp_path: Path) -> None:
         ),
         (
             lambda r: r[1].pop("c"),
-            "line 2, id 'r-00001': training records need every modality; 'c'",
+            "line 2, id 'r-00001': modality 'c' is missing (the model needs all of a, b, c)",
         ),
     ],
 )
