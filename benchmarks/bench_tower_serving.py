@@ -1,0 +1,291 @@
+"""Raw queries through real-size towers, served, against what the bare tower allows. Prints
+figures; it is not a test (a shared machine is noisy).
+
+    python benchmarks/bench_tower_serving.py                       # text, image, audio; torch
+    python benchmarks/bench_tower_serving.py --runtimes torch,onnx,onnx-int8 --modalities text
+    python benchmarks/bench_tower_serving.py --work DIR --seconds 10   # towers and index kept
+
+The towers and records are bench_towers.py's: ViT-B/16 (224 x 224), wav2vec 2.0 base (5-s clips
+at 16 kHz) random-initialised from `transformers`' config classes, and the packaged MiniLM; the
+H-CLIP model over them is untrained (d = 256), and its index holds --records records (the
+search itself costs microseconds beside a tower). For each query modality and runtime
+(HCLIP_ENCODER_RUNTIME), in one run:
+- limit: the bare tower in one process on all cores (torch's threads = the cores): its single
+  forward (median of batch-1 calls, inputs decoded beforehand) and its throughput at the batch
+  size the service formed at 32 connections (read from /metrics);
+- served: `hclip serve --workers CORES`, caches off (HCLIP_CACHE_MAX_BYTES=0, no Redis), queries
+  drawn in turn from a pool of distinct inputs (text: every query its own sentence), by wrk at
+  1 connection (p50) and 32 connections (q/s);
+- the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward;
+- busy threads: during the 32-connection run, /proc is read every 50 ms for the threads of the
+  server's processes that are running (state R); the mean and the largest count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import bench_server  # noqa: E402  (wrk, wait_ready, cpu_model)
+import bench_towers  # noqa: E402  (the towers, records and model)
+
+from models.machine import usable_cores  # noqa: E402
+
+QUERY_OF = {"text": "caption", "image": "photo", "audio": "sound"}
+POOL = {"text": 4000, "image": 96, "audio": 24}  # distinct queries per modality
+
+WRK_POOL = """
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+local bodies = {}
+for line in io.lines("%s") do bodies[#bodies + 1] = line end
+local i = %d
+request = function()
+  i = i %% #bodies + 1
+  return wrk.format(nil, "/v1/search", nil, bodies[i])
+end
+"""
+
+
+def query_pool(kind: str, n: int, seconds: float, seed: int = 1) -> list[str]:
+    """n distinct raw queries: sentences, PNG data URIs (256 x 256) or WAV data URIs."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    if kind == "text":
+        words = bench_towers.WORDS
+        return [
+            " ".join(words[j] for j in rng.integers(0, 10, 6)) + f" number {i}" for i in range(n)
+        ]
+    out = []
+    for i in range(n):
+        buf = io.BytesIO()
+        if kind == "image":
+            img = rng.integers(0, 255, (16, 16, 3), dtype=np.uint8)
+            Image.fromarray(img).resize((256, 256)).save(buf, format="PNG")
+            out.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+        else:
+            rate = 16000
+            t = np.arange(int(rate * seconds)) / rate
+            x = 0.3 * np.sin(2 * np.pi * (200 + 11 * i) * t) + 0.02 * rng.standard_normal(len(t))
+            with wave.open(buf, "wb") as w:
+                w.setnchannels(1)
+                w.setsampwidth(2)
+                w.setframerate(rate)
+                w.writeframes((x * 32767).astype("<i2").tobytes())
+            out.append("data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode())
+    return out
+
+
+BARE = """
+import json, statistics, sys, time, torch
+from pathlib import Path
+from models.checkpoint import load_model
+from models.encoders import decode
+from models.limits import DEFAULT_LIMITS
+model = load_model(Path(sys.argv[1])).to_inference("auto")
+name, batch = sys.argv[2], int(sys.argv[3])
+values = json.load(open(sys.argv[4]))
+cfg = model.cfg.modalities[name]
+items = [decode(v, cfg, None, DEFAULT_LIMITS) for v in values]
+with torch.inference_mode():
+    for x in items[:3]:
+        model.encode(name, [x])  # loaded, exported where the runtime exports, warm
+    singles = []
+    for x in items[: max(5, min(30, len(items)))]:
+        t0 = time.perf_counter(); model.encode(name, [x]); singles.append(time.perf_counter() - t0)
+    model.encode(name, items[:batch])
+    n, t0 = 0, time.perf_counter()
+    while n < max(2 * batch, 16) or time.perf_counter() - t0 < float(sys.argv[5]):
+        s = n % max(1, len(items) - batch + 1)
+        model.encode(name, items[s : s + batch]); n += batch
+    took = time.perf_counter() - t0
+print(json.dumps({"single_ms": 1e3 * statistics.median(singles), "batch": batch,
+                  "qps": n / took}))
+"""
+
+
+def bare(model: Path, name: str, batch: int, pool: Path, seconds: float, runtime: str) -> Any:
+    env = bench_towers.env_for(usable_cores(), HCLIP_ENCODER_RUNTIME=runtime)
+    out = subprocess.run(
+        [sys.executable, "-c", BARE, str(model), name, str(batch), str(pool), str(seconds)],
+        env=env, cwd=REPO, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def server_pids(root_pid: int) -> list[int]:
+    """The server and every process below it (uvicorn's spawned workers)."""
+    pids, frontier = [root_pid], [root_pid]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        pids += [int(k) for k in kids]
+        frontier += [int(k) for k in kids]
+    return pids
+
+
+def running_threads(pids: list[int]) -> tuple[int, int]:
+    """(threads in state R, threads) of these processes, from /proc."""
+    running = total = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            total += 1
+            running += stat[stat.rindex(")") + 2] == "R"
+    return running, total
+
+
+def encode_batch_mean(url: str, name: str) -> float:
+    import httpx
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    pat = rf'^hclip_encode_batch_size_(sum|count)\{{[^}}]*modality="{name}"[^}}]*\}} ([\d.e+]+)$'
+    got = {k: float(v) for k, v in re.findall(pat, text, re.M)}
+    return got["sum"] / got["count"] if got.get("count") else 1.0
+
+
+def served(
+    root: Path, name: str, bodies: Path, seconds: float, runtime: str, port: int, timeout_s: float
+) -> dict[str, Any]:
+    workers = usable_cores()
+    env = bench_towers.env_for(
+        usable_cores(), HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
+        HCLIP_ENCODER_RUNTIME=runtime, HCLIP_MAX_PENDING="4096",
+    )  # fmt: skip
+    env.pop("OMP_NUM_THREADS")  # the service sizes its own pools from cores and workers
+    env.pop("HCLIP_REDIS_URL", None)
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
+    server = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        bench_server.wait_ready(url, server)
+        n = len(bodies.read_text().splitlines())
+        warm = max(4.0, seconds / 4)
+        bench_server.wrk(url, 32, warm, WRK_POOL % (bodies, n // 2), timeout_s)  # every worker
+        one = bench_server.wrk(url, 1, seconds, WRK_POOL % (bodies, 0), timeout_s)
+        samples: list[tuple[int, int]] = []
+        result: dict[str, Any] = {}
+
+        def run_load() -> None:
+            result.update(
+                bench_server.wrk(url, 32, seconds, WRK_POOL % (bodies, n // 3), timeout_s)
+            )
+
+        t = threading.Thread(target=run_load)  # wrk runs while /proc is read here
+        t.start()
+        time.sleep(min(2.0, seconds / 4))  # past the ramp-up
+        pids = server_pids(server.pid)
+        while t.is_alive():
+            samples.append(running_threads(pids))
+            time.sleep(0.05)
+        t.join()
+        batch = encode_batch_mean(url, name)
+        busy = [r for r, _ in samples[:-2]] or [0]
+        return {
+            "1_connection": one,
+            "32_connections": result,
+            "encode_batch_mean": batch,
+            "busy_threads_mean": statistics.mean(busy),
+            "busy_threads_max": max(busy),
+            "threads": max((t for _, t in samples), default=0),
+        }
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def build_index(model: Path, records: Path, root: Path) -> None:
+    if (root / "CURRENT").exists():
+        return
+    subprocess.run(
+        [sys.executable, "-m", "app.cli", "index", "build", "--model", str(model), "--records",
+         str(records), "--root", str(root), "--quiet"],
+        env=bench_towers.env_for(usable_cores()), cwd=REPO, check=True,
+    )  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, help="keep the towers, records and index here")
+    p.add_argument("--records", type=int, default=32, help="records in the index")
+    p.add_argument("--clip-seconds", type=float, default=5.0, help="audio clips' length")
+    p.add_argument("--seconds", type=float, default=20.0, help="each load's length")
+    p.add_argument("--modalities", default="text,image,audio")
+    p.add_argument("--runtimes", default="torch")
+    p.add_argument("--port", type=int, default=8731)
+    p.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = p.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="hclip-tower-serving-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cores = usable_cores()
+    ns = argparse.Namespace(records=args.records, seconds=args.clip_seconds)
+    records, model, _ = bench_towers.prepare(work, ns, cores)
+    root = work / "root"
+    build_index(model, records, root)
+    figures: dict[str, Any] = {"cpu": bench_server.cpu_model(), "cores": cores, "rows": []}
+    print(f"{figures['cpu']}, {cores} cores; workers = {cores}; loads of {args.seconds:g} s")
+    print(f"{'query':6} {'runtime':10} {'single':>8} {'limit':>8} {'batch':>6} {'served':>8} "
+          f"{'ratio':>6} {'p50':>8} {'p50-1fw':>8} {'busy':>9}")  # fmt: skip
+    for kind in args.modalities.split(","):
+        name = QUERY_OF[kind]
+        pool = query_pool(kind, POOL[kind], args.clip_seconds)
+        values = work / f"pool-{kind}.json"
+        values.write_text(json.dumps(pool[:64]))
+        bodies = work / f"bodies-{kind}.jsonl"
+        bodies.write_text("".join(json.dumps({"query": {name: v}, "k": 10}) + "\n" for v in pool))
+        timeout_s = {"text": 10.0, "image": 30.0, "audio": 120.0}[kind]
+        for runtime in args.runtimes.split(","):
+            srv = served(root, name, bodies, args.seconds, runtime, args.port, timeout_s)
+            batch = max(1, round(srv["encode_batch_mean"]))
+            lim = bare(model, name, batch, values, min(args.seconds, 15.0), runtime)
+            row = {"query": kind, "runtime": runtime, "limit": lim, "served": srv}
+            row["ratio"] = srv["32_connections"]["qps"] / lim["qps"]
+            row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
+            figures["rows"].append(row)
+            print(
+                f"{kind:6} {runtime:10} {lim['single_ms']:7.1f}ms {lim['qps']:8.1f} {batch:6d} "
+                f"{srv['32_connections']['qps']:8.1f} {row['ratio']:6.2f} "
+                f"{srv['1_connection']['p50_ms']:6.1f}ms {row['p50_over_single_ms']:+7.1f}ms "
+                f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}",
+                flush=True,
+            )
+    if args.out:
+        args.out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
