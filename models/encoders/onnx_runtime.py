@@ -44,6 +44,7 @@ from models.encoders.towers import (
     load_weights,
     release_tower,
 )
+from models.errors import PretrainedError
 from models.extras import require_onnx
 
 log = logging.getLogger(__name__)
@@ -112,15 +113,22 @@ def export_graph(cfg: ModalityConfig, dest: Path) -> None:
     shapes = tuple({0: dim} if cfg.input == "image" else {0: dim, 1: dim} for _ in names)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the exporter's deprecation and tracing chatter
-        program = torch.onnx.export(
-            Pooled(tower, names).eval(),
-            tuple(inputs[n] for n in names),
-            dynamo=True,
-            input_names=names,
-            output_names=["features"],
-            dynamic_shapes=(shapes,),
-            verbose=False,
-        )
+        try:
+            program = torch.onnx.export(
+                Pooled(tower, names).eval(),
+                tuple(inputs[n] for n in names),
+                dynamo=True,
+                input_names=names,
+                output_names=["features"],
+                dynamic_shapes=(shapes,),
+                verbose=False,
+            )
+        except Exception as exc:  # the exporter's own errors: the service refuses the version
+            raise PretrainedError(
+                f"{cfg.model}: torch.onnx could not export it ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); serve it with "
+                "HCLIP_ENCODER_RUNTIME=torch"
+            ) from exc
     assert program is not None
     program.save(str(dest / GRAPH_FILE))
 

@@ -235,3 +235,20 @@ def test_hclip_serve_with_onnx_answers_a_raw_text_query_as_torch_does(served, tm
         stop(proc)
     assert [r["id"] for r in got] == [r["id"] for r in want]
     assert np.allclose([r["score"] for r in got], [r["score"] for r in want], atol=1e-4)
+
+
+def test_a_tower_the_exporter_cannot_take_is_a_pretrained_error(
+    served, tmp_path, monkeypatch
+) -> None:
+    """The version is then refused with a reason (a ValueError), not a worker's crash, and
+    nothing half-written stays in the cache."""
+    from models.errors import PretrainedError
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("unsupported operator aten::foo\nmore detail")
+
+    monkeypatch.setattr(torch.onnx, "export", refuse)
+    bert = load_model(served[0]).cfg.modalities["caption"]
+    with pytest.raises(PretrainedError, match=r"aten::foo.*HCLIP_ENCODER_RUNTIME=torch"):
+        rt.load_onnx_tower(bert, Runtime("onnx", tmp_path / "onnx"))
+    assert [p.suffix for p in (tmp_path / "onnx").iterdir()] == [".lock"]
