@@ -19,3 +19,12 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
             f"{purpose} needs {module.split('.')[0]}, from the {extra!r} extra: "
             f"pip install 'hclip[{extra}]' (or, in a checkout, pip install -e '.[{extra}]')"
         ) from None
+
+
+# The `onnx` extra: ONNX Runtime, and what torch's ONNX exporter needs.
+ONNX_MODULES = ("onnxruntime", "onnx", "onnxscript")
+
+
+def require_onnx(purpose: str) -> None:
+    for module in ONNX_MODULES:
+        require(module, "onnx", purpose)

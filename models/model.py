@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.config import ModelConfig
+from models.config import ConfigError, ModelConfig
 from models.device import autocast_dtype, resolve_device, to_device
 from models.encoders import Encoder, build_encoder, stack
+from models.encoders.runtime import TORCH, Runtime
 from models.heads import Head, build_head
 from models.plugins import resolve_options
 
@@ -29,17 +30,27 @@ class MultimodalModel(nn.Module):
         self.run_amp: torch.dtype | None = None
 
     def to_inference(
-        self, device: str = "auto", precision: str = "auto", field: str = "device"
+        self,
+        device: str = "auto",
+        precision: str = "auto",
+        field: str = "device",
+        runtime: Runtime = TORCH,
     ) -> MultimodalModel:
         """Encode on `device` (auto: CUDA when torch sees one), under bf16 autocast where
-        `precision` asks for it (auto: on a GPU that supports it); `field` names the setting
-        in errors. Returns the model, moved there and in eval mode."""
+        `precision` asks for it (auto: on a GPU that supports it), the frozen pretrained
+        towers under `runtime` (ONNX Runtime: on the CPU); `field` names the setting in
+        errors. Returns the model, moved there and in eval mode."""
         self.run_device = resolve_device(device, field)
         self.run_amp = autocast_dtype(precision, self.run_device, field)
+        if runtime.onnx and self.run_device.type != "cpu":
+            raise ConfigError(
+                f"encoder runtime {runtime.name} runs the towers on the CPU, and {field} "
+                f"gives {self.run_device.type}: set it to cpu, or the runtime to torch"
+            )
         self.to(self.run_device)
         for enc in self.encoders.values():
             assert isinstance(enc, Encoder)
-            enc.place(self.run_device, self.run_amp)  # frozen towers are not submodules
+            enc.place(self.run_device, self.run_amp, runtime)  # frozen towers: not submodules
         self.eval()
         return self
 

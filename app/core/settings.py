@@ -126,6 +126,13 @@ class Settings(BaseSettings):
         description="where queries are encoded: auto (a GPU when torch sees one, under bf16 "
         "autocast where it supports it), cpu or cuda",
     )
+    encoder_runtime: Literal["torch", "onnx", "onnx-int8"] = Field(
+        "torch",
+        description="what computes the frozen pretrained towers of a query (the `transformers` "
+        "kind, and the `text` kind's MiniLM): torch, or ONNX Runtime on the CPU (the `onnx` "
+        "extra), fp32 (onnx) or with dynamic int8 weights (onnx-int8); each tower is exported "
+        "once, into the model directory's onnx/ (docs/models.md)",
+    )
     milvus_uri: str | None = Field(
         None,
         description="the Milvus that versions on the milvus backend are searched in (default: "

@@ -106,8 +106,11 @@ def serve(settings: Settings, on_listening: Callable[[], None] | None = None) ->
     import uvicorn
 
     from app.api.auth import Keys
+    from models.extras import require_onnx
 
     Keys.of(settings)  # keys that cannot be had stop the start here, not in every worker
+    if settings.encoder_runtime != "torch":  # so does a runtime that is not installed
+        require_onnx(f"HCLIP_ENCODER_RUNTIME={settings.encoder_runtime}")
     check_port(settings.host, settings.port)
     check_workers(settings)
     if settings.workers == 1:

@@ -37,6 +37,8 @@ from indexer.store.milvus_served import MilvusVersion
 from indexer.store.verify import verify_contents, verify_files
 from indexer.store.version import LoadedVersion
 from models.checkpoint import fingerprint, load_model
+from models.encoders.runtime import Runtime
+from models.extras import ExtraMissing
 from models.model import MultimodalModel
 
 log = logging.getLogger(__name__)
@@ -227,11 +229,18 @@ class VersionManager:
                     f"model at {model_dir} (fingerprint {found}) is not the one that built "
                     f"version {index.version} ({index.fingerprint})"
                 )
-            model = load_model(model_dir).to_inference(self.settings.device, field="HCLIP_DEVICE")
-        except (OSError, ValueError) as exc:
+            model = load_model(model_dir).to_inference(
+                self.settings.device, field="HCLIP_DEVICE", runtime=self._runtime(model_dir)
+            )
+        except (OSError, ValueError, ExtraMissing) as exc:
             raise VersionRejected(f"model of version {index.version}: {exc}") from None
         self._models = {index.fingerprint: model}  # keep only the model in use
         return model
+
+    def _runtime(self, model_dir: Path) -> Runtime:
+        """HCLIP_ENCODER_RUNTIME for this model: its graphs beside it, on the encode threads."""
+        s = self.settings
+        return Runtime(s.encoder_runtime, model_dir / "onnx", s.encode_threads)
 
     def _serving(self, index: Served, model: MultimodalModel) -> ServingVersion:
         s = self.settings

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from models.config import ModalityConfig
+from models.encoders.runtime import TORCH, Runtime
 from models.limits import InputLimits
 
 Featurizer = Callable[[list[Any]], torch.Tensor]
@@ -53,9 +54,12 @@ class Encoder(nn.Module, ABC):
     def collate(self, items: list[Any]) -> torch.Tensor:
         return self.featurizer(list(items))
 
-    def place(self, device: torch.device, amp: torch.dtype | None) -> None:
-        """Run the frozen featurizer on `device` (under autocast to `amp`) where it is heavy
-        enough to need it (a pretrained tower); the trainable part moves with the module."""
+    def place(
+        self, device: torch.device, amp: torch.dtype | None, runtime: Runtime = TORCH
+    ) -> None:
+        """Run the frozen featurizer on `device` (under autocast to `amp`), or under `runtime`
+        (ONNX Runtime), where it is heavy enough to need it (a pretrained tower); the
+        trainable part moves with the module."""
 
     @abstractmethod
     def forward(self, batch: Any) -> torch.Tensor:

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
 from models.config import ModalityConfig
+from models.encoders.runtime import TORCH, Runtime
 
 BACKBONE_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 BACKBONE_DIM = 384
@@ -33,7 +35,9 @@ def backbone_config() -> ModalityConfig:
 
 
 class TextBackbone:
-    def __init__(self, cache_size: int = 100_000, batch_size: int = 64):
+    def __init__(self, cache_size: int = 100_000, batch_size: int = 64, runtime: Runtime = TORCH):
+        self.runtime = runtime
+        self._run: Callable[[list[str]], torch.Tensor] | None = None  # the tower, once loaded
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
         self.cache_size = cache_size
@@ -42,12 +46,14 @@ class TextBackbone:
     @torch.no_grad()
     def embed(self, sentences: list[str]) -> torch.Tensor:
         """(len(sentences), 384) unit-length sentence embeddings."""
-        from models.encoders.towers import load_tower
+        from models.encoders.onnx_runtime import tower_runner
 
         with self._lock:
             missing = list(dict.fromkeys(s for s in sentences if s not in self._cache))
             if missing:
-                tower = load_tower(backbone_config())
+                if self._run is None:
+                    self._run = tower_runner(backbone_config(), self.runtime)
+                tower = self._run
                 for start in range(0, len(missing), self.batch_size):
                     part = missing[start : start + self.batch_size]
                     out = torch.nn.functional.normalize(tower(part).float(), dim=-1)
@@ -61,12 +67,11 @@ class TextBackbone:
         return result
 
 
-_shared: TextBackbone | None = None
+_shared: dict[Runtime, TextBackbone] = {}
 
 
-def shared_backbone() -> TextBackbone:
-    """One backbone per process: every text encoder shares its weights and cache."""
-    global _shared
-    if _shared is None:
-        _shared = TextBackbone()
-    return _shared
+def shared_backbone(runtime: Runtime = TORCH) -> TextBackbone:
+    """One backbone per process and runtime: every text encoder shares its weights and cache."""
+    if runtime not in _shared:
+        _shared[runtime] = TextBackbone(runtime=runtime)
+    return _shared[runtime]

@@ -32,6 +32,8 @@ from torch import nn
 from models.config import ModalityConfig
 from models.encoders.base import Encoder, Featurizer
 from models.encoders.clip_groups import AudioGroups, by_length, in_batch_order
+from models.encoders.onnx_runtime import OnnxTower, load_onnx_tower
+from models.encoders.runtime import TORCH, Runtime
 from models.encoders.tower_inputs import decode_pretrained, example_input
 from models.encoders.towers import Tower, load_processor, load_tower, load_weights
 from models.errors import PretrainedError
@@ -47,20 +49,29 @@ def features_dim(cfg: ModalityConfig, tower: Tower) -> int:
 class PretrainedFeatures:
     """The frozen tower as a featurizer: decoded inputs -> (B, H) float32 pooled features on
     the CPU, batched (loaded lazily in each process, e.g. each DataLoader worker). `place`
-    runs the tower on a device, under autocast when `amp` is a dtype (index builds and the
-    service: MultimodalModel.to_inference)."""
+    runs the tower on a device, under autocast when `amp` is a dtype, or under another runtime
+    (index builds and the service: MultimodalModel.to_inference)."""
 
     def __init__(self, cfg: ModalityConfig):
         self.cfg = cfg
         self.device = torch.device("cpu")
         self.amp: torch.dtype | None = None
+        self.onnx: OnnxTower | None = None
 
-    def place(self, device: torch.device, amp: torch.dtype | None) -> None:
+    def place(
+        self, device: torch.device, amp: torch.dtype | None, runtime: Runtime = TORCH
+    ) -> None:
         self.device, self.amp = device, amp
-        load_tower(self.cfg).model.to(device)  # one copy per process, where it runs
+        if runtime.onnx:
+            self.onnx = load_onnx_tower(self.cfg, runtime)  # exported now, not at a query
+        else:
+            self.onnx = None
+            load_tower(self.cfg).model.to(device)  # one copy per process, where it runs
 
     @torch.no_grad()  # not inference mode: training takes these features into autograd
     def __call__(self, items: list[Any]) -> torch.Tensor:
+        if self.onnx is not None:
+            return self.onnx(list(items))
         tower = load_tower(self.cfg)
         if self.device.type == "cpu" and self.amp is None:
             # .cpu(): the process's tower may have been placed elsewhere (training's, on a GPU)
@@ -176,9 +187,12 @@ class PretrainedEncoder(Encoder):
             return PretrainedFeatures(cfg)
         return PretrainedInputs(cfg)  # type: ignore[return-value]
 
-    def place(self, device: torch.device, amp: torch.dtype | None) -> None:
-        if isinstance(self.featurizer, PretrainedFeatures):  # a trainable tower moves with us
-            self.featurizer.place(device, amp)
+    def place(
+        self, device: torch.device, amp: torch.dtype | None, runtime: Runtime = TORCH
+    ) -> None:
+        # a trainable tower moves with us, and stays on torch: its weights are the model's
+        if isinstance(self.featurizer, PretrainedFeatures):
+            self.featurizer.place(device, amp, runtime)
 
     def forward(self, batch: Any) -> torch.Tensor:
         if self.tower is None:

@@ -11,7 +11,8 @@ from torch import nn
 
 from models.config import ModalityConfig
 from models.encoders.base import Featurizer, ProjectedEncoder
-from models.encoders.minilm import BACKBONE_DIM, shared_backbone
+from models.encoders.minilm import BACKBONE_DIM, backbone_config, shared_backbone
+from models.encoders.runtime import TORCH, Runtime
 from models.encoders.text_input import decode_text
 from models.limits import InputLimits
 
@@ -19,8 +20,11 @@ from models.limits import InputLimits
 class TextFeatures:
     """Sentences -> (B, 384) MiniLM embeddings, cached per sentence in each process."""
 
+    def __init__(self, runtime: Runtime = TORCH):
+        self.runtime = runtime
+
     def __call__(self, items: list[Any]) -> torch.Tensor:
-        return shared_backbone().embed(list(items))  # (B, 384)
+        return shared_backbone(self.runtime).embed(list(items))  # (B, 384)
 
 
 class TextEncoder(ProjectedEncoder):
@@ -40,6 +44,15 @@ class TextEncoder(ProjectedEncoder):
     @staticmethod
     def featurizer_for(cfg: ModalityConfig) -> Featurizer:
         return TextFeatures()
+
+    def place(
+        self, device: torch.device, amp: torch.dtype | None, runtime: Runtime = TORCH
+    ) -> None:
+        self.featurizer = TextFeatures(runtime)
+        if runtime.onnx:
+            from models.encoders.onnx_runtime import load_onnx_tower
+
+            load_onnx_tower(backbone_config(), runtime)  # exported now, not at the first query
 
     def features(self, batch: torch.Tensor) -> torch.Tensor:
         return self.head(batch)

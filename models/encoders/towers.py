@@ -142,6 +142,13 @@ def load_tower(cfg: ModalityConfig) -> Tower:
         return _LOADED[key]
 
 
+def release_tower(cfg: ModalityConfig) -> None:
+    """Forget the process's torch copy of the tower (one under another runtime replaces it);
+    load_tower loads it again if it is asked for."""
+    with _LOCK:
+        _LOADED.pop((str(cfg.model), str(cfg.input), cfg.pooling), None)
+
+
 def load_processor(cfg: ModalityConfig) -> Processor:
     """The processor of a `transformers` modality, loaded once per process and checked against
     the model's config and the modality's input kind and sampling rate."""
