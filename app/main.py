@@ -23,12 +23,14 @@ from app.core.metrics import Metrics
 from app.core.settings import Settings, get_settings
 from app.services.cache import make_cache
 from app.services.checks import RequestChecks
+from app.services.core_share import CoreShare
 from app.services.search import SearchService
 from app.services.state import AppState
 from app.services.threads import WorkerPools
 from app.services.versions import ServingVersion, VersionManager
 from app.services.workers import WorkerBoard, exit_with_parent
 from indexer.search import exact, lone_query
+from models.machine import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +51,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # numpy's and FAISS's OpenBLAS keep a pool of one thread per core, process-wide: held
         # to this worker's share.
         threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")
-        pools = WorkerPools(settings.search_threads, settings.encode_threads)
+        share = None
+        if settings.shared_encode_threads:  # a lone encode takes the cores others leave
+            share = CoreShare(usable_cores(), settings.workers_dir)
+        pools = WorkerPools(settings.search_threads, settings.encode_threads, share)
         cache = make_cache(
             settings.redis_url,
             max_bytes=settings.cache_max_bytes,

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import os
@@ -96,40 +97,76 @@ def query_pool(kind: str, n: int, seconds: float, seed: int = 1) -> list[str]:
 
 
 BARE = """
-import json, statistics, sys, time, torch
+import json, os, statistics, sys, time, torch
 from pathlib import Path
 from models.checkpoint import load_model
 from models.encoders import decode
+from models.encoders.runtime import Runtime
 from models.limits import DEFAULT_LIMITS
-model = load_model(Path(sys.argv[1])).to_inference("auto")
+runtime = Runtime(os.environ["HCLIP_ENCODER_RUNTIME"], Path(sys.argv[1]) / "onnx",
+                  int(os.environ["HCLIP_TORCH_THREADS"]))  # as the service makes it
+model = load_model(Path(sys.argv[1])).to_inference("auto", runtime=runtime)
 name, batch = sys.argv[2], int(sys.argv[3])
+seconds, start_at = float(sys.argv[5]), float(sys.argv[6])
 values = json.load(open(sys.argv[4]))
 cfg = model.cfg.modalities[name]
 items = [decode(v, cfg, None, DEFAULT_LIMITS) for v in values]
+singles = []
 with torch.inference_mode():
     for x in items[:3]:
         model.encode(name, [x])  # loaded, exported where the runtime exports, warm
-    singles = []
-    for x in items[: max(5, min(30, len(items)))]:
-        t0 = time.perf_counter(); model.encode(name, [x]); singles.append(time.perf_counter() - t0)
+    if sys.argv[7] == "1":
+        for x in items[: max(5, min(30, len(items)))]:
+            t0 = time.perf_counter()
+            model.encode(name, [x])
+            singles.append(time.perf_counter() - t0)
     model.encode(name, items[:batch])
+    time.sleep(max(0.0, start_at - time.time()))  # processes measured together start together
     n, t0 = 0, time.perf_counter()
-    while n < max(2 * batch, 16) or time.perf_counter() - t0 < float(sys.argv[5]):
+    while n < max(2 * batch, 16) or time.perf_counter() - t0 < seconds:
         s = n % max(1, len(items) - batch + 1)
         model.encode(name, items[s : s + batch]); n += batch
     took = time.perf_counter() - t0
-print(json.dumps({"single_ms": 1e3 * statistics.median(singles), "batch": batch,
+print(json.dumps({"single_ms": 1e3 * statistics.median(singles) if singles else None,
                   "qps": n / took}))
 """
 
 
-def bare(model: Path, name: str, batch: int, pool: Path, seconds: float, runtime: str) -> Any:
-    env = bench_towers.env_for(usable_cores(), HCLIP_ENCODER_RUNTIME=runtime)
-    out = subprocess.run(
-        [sys.executable, "-c", BARE, str(model), name, str(batch), str(pool), str(seconds)],
-        env=env, cwd=REPO, check=True, capture_output=True, text=True,
-    )  # fmt: skip
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def bare(
+    model: Path, name: str, batch: int, pool: Path, seconds: float, runtime: str
+) -> dict[str, Any]:
+    """The tower alone on all cores, two ways: one process with every core's thread (its
+    single forward, and its throughput), and one process per worker with their share of the
+    cores, together (their summed throughput). The limit is the larger throughput."""
+    cores, workers = usable_cores(), usable_cores()
+
+    def start(threads: int, single: bool, start_at: float) -> subprocess.Popen[str]:
+        env = bench_towers.env_for(
+            threads, HCLIP_ENCODER_RUNTIME=runtime, HCLIP_TORCH_THREADS=str(threads)
+        )
+        argv = [str(model), name, str(batch), str(pool), str(seconds), str(start_at)]
+        return subprocess.Popen(
+            [sys.executable, "-c", BARE, *argv, "1" if single else "0"],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+
+    def result(proc: subprocess.Popen[str]) -> dict[str, Any]:
+        out, _ = proc.communicate()
+        if proc.returncode:
+            raise SystemExit(f"the bare tower run failed ({proc.returncode})")
+        return dict(json.loads(out.strip().splitlines()[-1]))
+
+    one = result(start(cores, True, 0.0))
+    at = time.time() + 60.0  # every process loaded and warm by then
+    procs = [start(max(1, cores // workers), False, at) for _ in range(workers)]
+    shared = sum(result(p)["qps"] for p in procs)
+    return {
+        "single_ms": one["single_ms"],
+        "batch": batch,
+        "qps_one_process": one["qps"],
+        "qps_per_worker_processes": shared,
+        "qps": max(one["qps"], shared),
+    }
 
 
 def server_pids(root_pid: int) -> list[int]:
@@ -164,17 +201,48 @@ def running_threads(pids: list[int]) -> tuple[int, int]:
     return running, total
 
 
-def encode_batch_mean(url: str, name: str) -> float:
+def wait_idle(pids: list[int], limit_s: float = 300.0) -> None:
+    """Until no thread of the server runs for half a second (queued requests answered)."""
+    quiet, t0 = 0, time.monotonic()
+    while quiet < 5 and time.monotonic() - t0 < limit_s:
+        quiet = quiet + 1 if running_threads(pids)[0] == 0 else 0
+        time.sleep(0.1)
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 1800.0) -> None:
+    """Until /readyz answers 200: the first start under ONNX exports every tower first."""
+    import httpx
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
+        if proc.poll() is not None:
+            raise SystemExit("the server exited during start-up")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise SystemExit("the server never became ready")
+
+
+def encode_batches(url: str, name: str) -> tuple[float, float]:
+    """(inputs, calls) of the modality's encoder so far, summed over the workers."""
     import httpx
 
     text = httpx.get(url + "/metrics", timeout=10).text
     pat = rf'^hclip_encode_batch_size_(sum|count)\{{[^}}]*modality="{name}"[^}}]*\}} ([\d.e+]+)$'
     got = {k: float(v) for k, v in re.findall(pat, text, re.M)}
-    return got["sum"] / got["count"] if got.get("count") else 1.0
+    return got.get("sum", 0.0), got.get("count", 0.0)
 
 
 def served(
-    root: Path, name: str, bodies: Path, seconds: float, runtime: str, port: int, timeout_s: float
+    root: Path,
+    name: str,
+    bodies: Path,
+    seconds: float,
+    runtime: str,
+    threads: str,
+    port: int,
+    timeout_s: float,
 ) -> dict[str, Any]:
     workers = usable_cores()
     env = bench_towers.env_for(
@@ -182,6 +250,9 @@ def served(
         HCLIP_ENCODER_RUNTIME=runtime, HCLIP_MAX_PENDING="4096",
     )  # fmt: skip
     env.pop("OMP_NUM_THREADS")  # the service sizes its own pools from cores and workers
+    env.pop("HCLIP_TORCH_THREADS", None)
+    if threads != "auto":
+        env["HCLIP_TORCH_THREADS"] = threads
     env.pop("HCLIP_REDIS_URL", None)
     cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
     server = subprocess.Popen(
@@ -189,11 +260,14 @@ def served(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        bench_server.wait_ready(url, server)
+        wait_ready(url, server)
         n = len(bodies.read_text().splitlines())
         warm = max(4.0, seconds / 4)
         bench_server.wrk(url, 32, warm, WRK_POOL % (bodies, n // 2), timeout_s)  # every worker
+        pids = server_pids(server.pid)
+        wait_idle(pids)  # the requests wrk left queued are answered before the next load
         one = bench_server.wrk(url, 1, seconds, WRK_POOL % (bodies, 0), timeout_s)
+        wait_idle(pids)
         samples: list[tuple[int, int]] = []
         result: dict[str, Any] = {}
 
@@ -202,15 +276,18 @@ def served(
                 bench_server.wrk(url, 32, seconds, WRK_POOL % (bodies, n // 3), timeout_s)
             )
 
+        before = encode_batches(url, name)
         t = threading.Thread(target=run_load)  # wrk runs while /proc is read here
         t.start()
         time.sleep(min(2.0, seconds / 4))  # past the ramp-up
-        pids = server_pids(server.pid)
         while t.is_alive():
             samples.append(running_threads(pids))
             time.sleep(0.05)
         t.join()
-        batch = encode_batch_mean(url, name)
+        wait_idle(pids)
+        after = encode_batches(url, name)
+        calls = after[1] - before[1]
+        batch = (after[0] - before[0]) / calls if calls else 1.0  # at 32 connections
         busy = [r for r, _ in samples[:-2]] or [0]
         return {
             "1_connection": one,
@@ -246,6 +323,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="each load's length")
     p.add_argument("--modalities", default="text,image,audio")
     p.add_argument("--runtimes", default="torch")
+    p.add_argument(
+        "--torch-threads",
+        default="auto",
+        help="HCLIP_TORCH_THREADS values to serve with, comma-separated (auto: the default)",
+    )
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = p.parse_args()
@@ -267,17 +349,22 @@ def main() -> None:
         values.write_text(json.dumps(pool[:64]))
         bodies = work / f"bodies-{kind}.jsonl"
         bodies.write_text("".join(json.dumps({"query": {name: v}, "k": 10}) + "\n" for v in pool))
-        timeout_s = {"text": 10.0, "image": 30.0, "audio": 120.0}[kind]
-        for runtime in args.runtimes.split(","):
-            srv = served(root, name, bodies, args.seconds, runtime, args.port, timeout_s)
+        timeout_s = {"text": 10.0, "image": 60.0, "audio": 240.0}[kind]
+        # A load must hold many answers at 32 connections: slower towers get longer ones.
+        seconds = args.seconds * {"text": 1, "image": 4, "audio": 8}[kind]
+        configs = [(r, t) for r in args.runtimes.split(",") for t in args.torch_threads.split(",")]
+        for runtime, threads in configs:
+            srv = served(root, name, bodies, seconds, runtime, threads, args.port, timeout_s)
             batch = max(1, round(srv["encode_batch_mean"]))
             lim = bare(model, name, batch, values, min(args.seconds, 15.0), runtime)
-            row = {"query": kind, "runtime": runtime, "limit": lim, "served": srv}
+            row = {"query": kind, "runtime": runtime, "threads": threads, "limit": lim,
+                   "served": srv}  # fmt: skip
             row["ratio"] = srv["32_connections"]["qps"] / lim["qps"]
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
             figures["rows"].append(row)
             print(
-                f"{kind:6} {runtime:10} {lim['single_ms']:7.1f}ms {lim['qps']:8.1f} {batch:6d} "
+                f"{kind:6} {runtime + '/' + threads:10} {lim['single_ms']:7.1f}ms "
+                f"{lim['qps']:8.1f} {batch:6d} "
                 f"{srv['32_connections']['qps']:8.1f} {row['ratio']:6.2f} "
                 f"{srv['1_connection']['p50_ms']:6.1f}ms {row['p50_over_single_ms']:+7.1f}ms "
                 f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}",

@@ -162,7 +162,11 @@ class Settings(BaseSettings):
         "cores; indexer/search/lone_query.py)",
     )
     torch_threads: int | None = Field(
-        None, ge=1, description="threads per encode (default: the cores over the workers)"
+        None,
+        ge=1,
+        description="threads per tower encode (default: shared: a worker encoding alone takes "
+        "every core, N workers encoding at once the cores over N each; "
+        "app/services/core_share.py)",
     )
 
     search_on_loop: Literal["auto", "on", "off"] = Field(
@@ -181,8 +185,6 @@ class Settings(BaseSettings):
         share = max(1, usable_cores() // self.workers)  # each worker's share of the cores
         if self.faiss_threads is None:
             self.faiss_threads = share
-        if self.torch_threads is None:
-            self.torch_threads = share
         return self
 
     @property
@@ -191,7 +193,13 @@ class Settings(BaseSettings):
 
     @property
     def encode_threads(self) -> int:
-        return self.torch_threads or 1
+        """Each worker's share of the cores for encodes, unless HCLIP_TORCH_THREADS sets it (a
+        shared count then gives a lone encode more: shared_encode_threads)."""
+        return self.torch_threads or max(1, usable_cores() // self.workers)
+
+    @property
+    def shared_encode_threads(self) -> bool:
+        return self.torch_threads is None
 
     def as_environment(self) -> dict[str, str]:
         """HCLIP_* variables that give a fresh process these settings."""

@@ -16,6 +16,7 @@ Three guarantees hold whatever one item does:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from app.core.errors import Overloaded
+from app.services.core_share import CoreShare
 from indexer.search.view import Searchable
 from models.encoders import decode
 from models.heads import Head
@@ -227,12 +229,21 @@ def encode_batcher(
     limits: InputLimits,
     max_pending: int = 1024,
     on_batch: Callable[[int], None] | None = None,
+    core_share: CoreShare | None = None,
 ) -> MicroBatcher[Any, np.ndarray]:
     """Items are raw inputs (or, for `vector`, the tensors the request's checks decoded);
     results are (d,) float32 embeddings, or the item's own InputError, which the caller names
     with its field. A `vector` encoder is a small MLP, cheaper than a hop to a thread and back:
-    it runs inline on the event loop; the other kinds go to `executor`."""
+    it runs inline on the event loop; the other kinds go to `executor`, each call with the
+    threads `core_share` gives it (None: the executor's own)."""
     cfg = model.cfg.modalities[modality]
+    share = None if cfg.kind == "vector" else core_share
+
+    def encode(decoded: list[Any]) -> np.ndarray:
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            if share is not None:
+                torch.set_num_threads(stack.enter_context(share.threads()))
+            return model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
 
     def run(values: list[Any]) -> list[np.ndarray | Exception]:
         out: list[np.ndarray | Exception] = []
@@ -249,8 +260,7 @@ def encode_batcher(
             except InputError as exc:
                 out.append(exc)
         if decoded:
-            with torch.inference_mode():
-                embs = model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
+            embs = encode(decoded)
             finite = np.asarray(np.isfinite(embs).all(axis=1), dtype=bool)
             for j, i in enumerate(where):
                 # Values near float32's limit overflow inside the encoder: the input's fault.

@@ -13,6 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 import faiss
 import torch
 
+from app.services.core_share import CoreShare
+
 log = logging.getLogger(__name__)
 
 
@@ -26,8 +28,11 @@ def _torch_thread(threads: int) -> None:
 
 
 class WorkerPools:
-    def __init__(self, search_threads: int, torch_threads: int):
+    def __init__(
+        self, search_threads: int, torch_threads: int, core_share: CoreShare | None = None
+    ):
         self.torch_threads = torch_threads
+        self.core_share = core_share  # None: every encode keeps torch_threads
         self.search = ThreadPoolExecutor(
             1,
             thread_name_prefix="search",
@@ -54,3 +59,5 @@ class WorkerPools:
         self.search.shutdown(wait=True)
         for pool in self._encoders.values():
             pool.shutdown(wait=True)
+        if self.core_share is not None:
+            self.core_share.close()

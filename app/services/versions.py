@@ -258,7 +258,7 @@ class VersionManager:
         for name in model.names:
             serving.encoders[name] = encode_batcher(
                 model, name, self.pools.encoder(name), s.batch_max, wait_s, limits, s.max_pending,
-                self.metrics.encode_batch_size.labels(name).observe,
+                self.metrics.encode_batch_size.labels(name).observe, self.pools.core_share,
             )  # fmt: skip
         return serving
 

@@ -196,8 +196,10 @@ def test_thread_counts_default_to_each_workers_share_of_the_cores(tmp_path) -> N
     for workers in (1, 2, cores, 2 * cores):
         s = Settings(root=tmp_path, workers=workers)
         share = max(1, cores // workers)
-        assert s.search_threads == s.encode_threads == share
+        assert s.search_threads == s.encode_threads == share and s.shared_encode_threads
     assert Settings(root=tmp_path, workers=1, faiss_threads=3).search_threads == 3
+    fixed = Settings(root=tmp_path, workers=2, torch_threads=3)
+    assert fixed.encode_threads == 3 and not fixed.shared_encode_threads
 
 
 def test_the_server_holds_numpys_blas_to_the_search_thread_count(tmp_path) -> None:
