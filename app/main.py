@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")
         share = None
         if settings.shared_encode_threads:  # a lone encode takes the cores others leave
-            share = CoreShare(usable_cores(), settings.workers_dir)
+            share = CoreShare(usable_cores(), settings.encode_threads, settings.workers_dir)
         pools = WorkerPools(settings.search_threads, settings.encode_threads, share)
         cache = make_cache(
             settings.redis_url,

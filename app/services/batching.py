@@ -242,7 +242,7 @@ def encode_batcher(
     def encode(decoded: list[Any]) -> np.ndarray:
         with torch.inference_mode(), contextlib.ExitStack() as stack:
             if share is not None:
-                torch.set_num_threads(stack.enter_context(share.threads()))
+                torch.set_num_threads(stack.enter_context(share.threads(len(decoded))))
             return model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
 
     def run(values: list[Any]) -> list[np.ndarray | Exception]:

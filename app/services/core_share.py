@@ -1,11 +1,12 @@
-"""How the workers of one `hclip serve` share the cores for tower encodes: a worker encoding
-alone uses every core, N encoding at once use cores/N each.
+"""How the workers of one `hclip serve` share the cores for tower encodes: a lone query takes
+the cores no other encode is using; a batch (the server is under load) keeps its worker's share.
 
 A tower's forward takes all the threads it is given: a raw image query through ViT-B/16 is a
 third faster on two cores than on one. But N workers each holding every core oversubscribe
 them under load (MiniLM lost a fifth of its served throughput at 2 workers x 2 threads on 2
-cores). So each encode call counts the encodes running in every worker of the server and
-takes its share of the cores for that call (docs/benchmarks/tower_serving.md has the figures).
+cores, and a tenth when batches also took the free cores). So an encode of one input counts
+the encodes running in every worker of the server and takes the cores they leave, and larger
+batches keep the fixed share (docs/benchmarks/tower_serving.md has the figures).
 
 The count lives in a file of one byte per worker slot (HCLIP_WORKERS_DIR/encoding) that every
 worker maps; a worker claims its slot with a lock on that byte, held for its life, so a dead
@@ -33,8 +34,11 @@ FILE = "encoding"
 
 
 class CoreShare:
-    def __init__(self, cores: int, directory: Path | None = None):
+    """`cores` of the machine; `floor`: each worker's fixed share (the cores over the workers)."""
+
+    def __init__(self, cores: int, floor: int = 1, directory: Path | None = None):
         self.cores = max(1, cores)
+        self.floor = max(1, min(floor, self.cores))
         self._lock = threading.Lock()
         self._mine = 0  # this worker's encodes running now
         self._fd: int | None = None
@@ -73,11 +77,11 @@ class CoreShare:
             return self._running()
 
     @contextlib.contextmanager
-    def threads(self) -> Iterator[int]:
-        """For one encode call: the threads it may use while it runs."""
+    def threads(self, batch: int = 1) -> Iterator[int]:
+        """For one encode call of `batch` inputs: the threads it may use while it runs."""
         running = self._add(1)
         try:
-            yield max(1, self.cores // max(1, running))
+            yield max(self.floor, self.cores // max(1, running)) if batch == 1 else self.floor
         finally:
             self._add(-1)
 

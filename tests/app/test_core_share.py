@@ -15,7 +15,7 @@ WORKER = """
 import sys, time
 from pathlib import Path
 from app.services.core_share import CoreShare
-share = CoreShare(4, Path(sys.argv[1]))
+share = CoreShare(4, 1, Path(sys.argv[1]))
 with share.threads() as n:
     print(n, flush=True)
     time.sleep(120)
@@ -33,9 +33,11 @@ def other_worker(directory: Path) -> tuple[subprocess.Popen[str], int]:
 def test_a_lone_encode_takes_every_core_and_workers_encoding_together_split_them(
     tmp_path: Path,
 ) -> None:
-    here = CoreShare(4, tmp_path)
+    here = CoreShare(4, 1, tmp_path)
     with here.threads() as n:
         assert n == 4  # alone
+    with here.threads(batch=8) as n:
+        assert n == 1  # a batch: the server is busy, the worker keeps its share
     first, got = other_worker(tmp_path)
     try:
         assert got == 4  # it encodes alone: this worker is idle
@@ -58,7 +60,7 @@ def test_a_lone_encode_takes_every_core_and_workers_encoding_together_split_them
 
 
 def test_two_encodes_in_one_worker_split_its_cores() -> None:
-    share = CoreShare(4)  # serving alone: only this process's encodes count
+    share = CoreShare(4, 2)  # serving alone: only this process's encodes count
     inside, release = threading.Event(), threading.Event()
 
     def encode() -> None:
@@ -71,6 +73,10 @@ def test_two_encodes_in_one_worker_split_its_cores() -> None:
     inside.wait(10)
     with share.threads() as n:
         assert n == 2
+    share.floor = 3
+    with share.threads() as n:
+        assert n == 3  # never below the worker's fixed share
+    share.floor = 2
     release.set()
     t.join()
     with share.threads() as n:
