@@ -10,15 +10,18 @@ at 16 kHz) random-initialised from `transformers`' config classes, and the packa
 H-CLIP model over them is untrained (d = 256), and its index holds --records records (the
 search itself costs microseconds beside a tower). For each query modality and runtime
 (HCLIP_ENCODER_RUNTIME), in one run:
-- limit: the bare tower in one process on all cores (torch's threads = the cores): its single
-  forward (median of batch-1 calls, inputs decoded beforehand) and its throughput at the batch
-  size the service formed at 32 connections (read from /metrics);
+- limit: the bare tower on all cores, inputs decoded beforehand: its single forward (median of
+  batch-1 calls, one process with every core's thread) and its throughput at the batch size the
+  service formed at 32 connections (read from /metrics), the larger of one process with every
+  core's thread and one process per worker with its share, run together;
 - served: `hclip serve --workers CORES`, caches off (HCLIP_CACHE_MAX_BYTES=0, no Redis), queries
   drawn in turn from a pool of distinct inputs (text: every query its own sentence), by wrk at
   1 connection (p50) and 32 connections (q/s);
 - the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward;
 - busy threads: during the 32-connection run, /proc is read every 50 ms for the threads of the
-  server's processes that are running (state R); the mean and the largest count.
+  server's processes that are running (state R); the mean and the largest count;
+- for ONNX runtimes, the share of each of the first 50 queries' top-10 ids that torch's top-10
+  holds too, through the API.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from models.machine import usable_cores  # noqa: E402
 
 QUERY_OF = {"text": "caption", "image": "photo", "audio": "sound"}
 POOL = {"text": 4000, "image": 96, "audio": 24}  # distinct queries per modality
+OVERLAP_QUERIES = 50  # queries whose top-10 is compared between runtimes
 
 WRK_POOL = """
 wrk.method = "POST"
@@ -224,6 +228,25 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 1800.0)
     raise SystemExit("the server never became ready")
 
 
+def top_ids(url: str, bodies: Path, n: int) -> list[list[str]]:
+    """The top-10 ids of the pool's first n queries, one at a time: runtimes compared."""
+    import httpx
+
+    out = []
+    with httpx.Client(timeout=120) as client:
+        for line in bodies.read_text().splitlines()[:n]:
+            r = client.post(url + "/v1/search", content=line,
+                            headers={"content-type": "application/json"})  # fmt: skip
+            r.raise_for_status()
+            out.append([x["id"] for x in r.json()["results"]])
+    return out
+
+
+def overlap(a: list[list[str]], b: list[list[str]]) -> float:
+    """Mean share of one top-10 found in the other, query by query."""
+    return statistics.mean(len(set(x) & set(y)) / max(1, len(x)) for x, y in zip(a, b, strict=True))
+
+
 def encode_batches(url: str, name: str) -> tuple[float, float]:
     """(inputs, calls) of the modality's encoder so far, summed over the workers."""
     import httpx
@@ -296,6 +319,7 @@ def served(
             "busy_threads_mean": statistics.mean(busy),
             "busy_threads_max": max(busy),
             "threads": max((t for _, t in samples), default=0),
+            "top10": top_ids(url, bodies, OVERLAP_QUERIES),
         }
     finally:
         server.terminate()
@@ -361,13 +385,24 @@ def main() -> None:
                    "served": srv}  # fmt: skip
             row["ratio"] = srv["32_connections"]["qps"] / lim["qps"]
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
+            torch_row = next((r for r in figures["rows"] if r["query"] == kind
+                              and r["runtime"] == "torch"), None)  # fmt: skip
+            if torch_row is not None and runtime != "torch":
+                row["top10_overlap_with_torch"] = overlap(
+                    srv["top10"], torch_row["served"]["top10"]
+                )
             figures["rows"].append(row)
             print(
                 f"{kind:6} {runtime + '/' + threads:10} {lim['single_ms']:7.1f}ms "
                 f"{lim['qps']:8.1f} {batch:6d} "
                 f"{srv['32_connections']['qps']:8.1f} {row['ratio']:6.2f} "
                 f"{srv['1_connection']['p50_ms']:6.1f}ms {row['p50_over_single_ms']:+7.1f}ms "
-                f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}",
+                f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}"
+                + (
+                    f" top-10 vs torch {row['top10_overlap_with_torch']:.3f}"
+                    if "top10_overlap_with_torch" in row
+                    else ""
+                ),
                 flush=True,
             )
     if args.out:
