@@ -245,10 +245,11 @@ def cache_hit(url: str, seconds: float) -> dict[str, Any]:
     return wrk(url, 1, seconds, script)
 
 
-def wait_ready(url: str, proc: subprocess.Popen) -> None:
+def wait_ready(url: str, proc: subprocess.Popen, limit_s: float = 60.0) -> None:
     import httpx
 
-    for _ in range(1200):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit_s:
         if proc.poll() is not None:
             raise SystemExit("the server exited during start-up")
         try:
@@ -258,6 +259,16 @@ def wait_ready(url: str, proc: subprocess.Popen) -> None:
             pass
         time.sleep(0.05)
     raise SystemExit("the server never became ready")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL if it has not stopped within 30 s."""
+    server.terminate()
+    try:
+        server.wait(30)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 def served(repo: Path, root: Path, workers: int, seconds: float, port: int) -> dict[str, Any]:
@@ -285,11 +296,7 @@ def served(repo: Path, root: Path, workers: int, seconds: float, port: int) -> d
             "cache_hit": cache_hit(url, seconds / 2),
         }
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop(server)
 
 
 def cpu_model() -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import io
 import json
 import os
@@ -214,21 +213,6 @@ def wait_idle(pids: list[int], limit_s: float = 300.0) -> None:
         time.sleep(0.1)
 
 
-def wait_ready(url: str, proc: subprocess.Popen[bytes], limit_s: float = 1800.0) -> None:
-    """Until /readyz answers 200: the first start under ONNX exports every tower first."""
-    import httpx
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit_s:
-        if proc.poll() is not None:
-            raise SystemExit("the server exited during start-up")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise SystemExit("the server never became ready")
-
-
 def top_ids(url: str, bodies: Path, n: int) -> list[list[str]]:
     """The top-10 ids of the pool's first n queries, one at a time: runtimes compared."""
     import httpx
@@ -287,7 +271,8 @@ def served(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, server)
+        # the first start under ONNX exports every tower before it is ready
+        bench_server.wait_ready(url, server, limit_s=1800.0)
         n = len(bodies.read_text().splitlines())
         warm = max(4.0, seconds / 4)
         bench_server.wrk(url, 32, warm, WRK_POOL % (bodies, n // 2), timeout_s)  # every worker
@@ -326,11 +311,7 @@ def served(
             "top10": top_ids(url, bodies, OVERLAP_QUERIES),
         }
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        bench_server.stop(server)
 
 
 def build_index(model: Path, records: Path, root: Path) -> None:

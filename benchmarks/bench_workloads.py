@@ -57,6 +57,7 @@ from benchmarks.bench_server import (
     blas_libraries,
     cpu_model,
     env_for,
+    stop,
     wait_ready,
     wrk,
 )
@@ -456,12 +457,7 @@ def served(
         }
         return figures
     finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop(server)
 
 
 # --- the run ------------------------------------------------------------------------------
