@@ -46,6 +46,7 @@ from models.encoders.towers import (
 )
 from models.errors import PretrainedError
 from models.extras import require_onnx
+from models.machine import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -175,22 +176,48 @@ def ensure_graph(cfg: ModalityConfig, runtime: Runtime) -> Path:
 
 class OnnxTower:
     """A tower's graph in an ONNX Runtime session, with the torch path's processor: decoded
-    inputs -> (B, H) float32 pooled features, as Tower.__call__ gives them."""
+    inputs -> (B, H) float32 pooled features, as Tower.__call__ gives them.
 
-    def __init__(self, prep: Processor, path: Path, threads: int):
-        import onnxruntime as ort
+    A session's thread count is fixed when it is made, where torch's is set per call: the
+    service grants each encode call its threads (app.services.core_share) through
+    torch.set_num_threads in the encode thread. So a call granted every core (a lone query,
+    no other encode running) runs in a second session with every core's thread, made on
+    first use; any other grant runs in the session of `threads`. The second session holds a
+    second copy of the weights: that is the price of a lone query at the tower's full pace
+    (ViT-B/16 on two cores: docs/benchmarks/tower_serving.md)."""
 
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads
-        opts.inter_op_num_threads = 1
-        opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        # idle threads sleep, as torch's do in the service (OMP_WAIT_POLICY=PASSIVE)
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    def __init__(self, prep: Processor, path: Path, threads: int, cores: int | None = None):
         self.prep = prep
-        self.session = ort.InferenceSession(
-            str(path / GRAPH_FILE), opts, providers=["CPUExecutionProvider"]
-        )
-        self.names = [i.name for i in self.session.get_inputs()]  # the exporter drops unused ones
+        self.path = path
+        self.threads = max(1, threads)
+        self.cores = max(self.threads, cores or usable_cores())
+        self._sessions: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        session = self._session(self.threads)
+        self.names = [i.name for i in session.get_inputs()]  # the exporter drops unused ones
+
+    def _session(self, threads: int) -> Any:
+        with self._lock:
+            session = self._sessions.get(threads)
+            if session is None:
+                import onnxruntime as ort
+
+                opts = ort.SessionOptions()
+                opts.intra_op_num_threads = threads
+                opts.inter_op_num_threads = 1
+                opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+                # idle threads sleep, as torch's do in the service (OMP_WAIT_POLICY=PASSIVE)
+                opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+                session = ort.InferenceSession(
+                    str(self.path / GRAPH_FILE), opts, providers=["CPUExecutionProvider"]
+                )
+                self._sessions[threads] = session
+            return session
+
+    def session_for_call(self) -> Any:
+        """The session for this call: every core's when the calling thread was granted them."""
+        every = self.cores > self.threads and torch.get_num_threads() >= self.cores
+        return self._session(self.cores if every else self.threads)
 
     def __call__(self, items: list[Any]) -> torch.Tensor:
         # clips of one length together, as on the torch path (Tower.__call__ says why)
@@ -201,7 +228,7 @@ class OnnxTower:
     def _run(self, items: list[Any]) -> torch.Tensor:
         inputs = self.prep(items)
         feed = {n: np.ascontiguousarray(inputs[n].numpy()) for n in self.names}
-        (out,) = self.session.run(["features"], feed)
+        (out,) = self.session_for_call().run(["features"], feed)
         return torch.from_numpy(out)  # (B, H)
 
 

@@ -55,6 +55,58 @@ def test_a_failing_call_fails_only_the_item_that_broke_it() -> None:
     assert calls == [[3, 4], [3], [4], [5]]  # the batch failed, then each item alone
 
 
+def test_a_tower_call_under_load_waits_for_the_clients_it_answered() -> None:
+    """Six clients, each sending its next query a few ms after its answer: without the hold,
+    the first one back goes alone and splits the rest; with it, every call takes all six."""
+
+    def sizes(hold_share: float) -> list[int]:
+        calls: list[int] = []
+
+        def run(items: list[int]) -> list[int]:
+            calls.append(len(items))
+            time.sleep(0.05)  # a tower's call
+            return items
+
+        async def client(b: MicroBatcher[int, int], i: int) -> None:
+            for _ in range(4):
+                await b.submit(i)
+                await asyncio.sleep(0.002 + 0.001 * i)  # the answer travels, the next is sent
+
+        async def main() -> None:
+            b = MicroBatcher(run, ThreadPoolExecutor(1), 64, 0.0, hold_share=hold_share)
+            await asyncio.gather(*(client(b, i) for i in range(6)))
+
+        asyncio.run(main())
+        return calls
+
+    assert sizes(0.25) == [6, 6, 6, 6]
+    split = sizes(0.0)
+    assert len(split) > 4 and 1 in split  # what the hold prevents
+
+
+def test_the_hold_is_bounded_and_a_lone_query_is_never_held() -> None:
+    """After a call of six, a lone query waits at most the hold's share of that call; a query
+    after a call of one goes at once."""
+
+    def run(items: list[int]) -> list[int]:
+        time.sleep(0.2)
+        return items
+
+    async def main() -> tuple[float, float]:
+        b = MicroBatcher(run, ThreadPoolExecutor(1), 64, 0.0, hold_share=0.25)
+        await asyncio.gather(*(b.submit(i) for i in range(6)))
+        t0 = time.perf_counter()
+        await b.submit(7)  # held: up to 0.25 x 0.2 s for five more that never come
+        after_burst = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        await b.submit(8)  # the last call took one: no hold
+        return after_burst, time.perf_counter() - t0
+
+    after_burst, lone = asyncio.run(main())
+    assert 0.2 + 0.02 < after_burst < 0.2 + 0.05 + 0.1, after_burst
+    assert lone < 0.2 + 0.03, lone
+
+
 def unit_head(dim: int) -> HClipHead:
     """An H-CLIP head whose omega is all ones: a view's query factor is the query's embedding."""
     head = HClipHead(["a", "b"], dim)

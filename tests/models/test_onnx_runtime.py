@@ -22,6 +22,7 @@ from models.config import ModalityConfig, ModelConfig
 from models.encoders import decode
 from models.encoders import onnx_runtime as rt
 from models.encoders.runtime import Runtime
+from models.encoders.towers import load_processor
 from models.model import MultimodalModel
 from tests.app.conftest import free_port, running, settings_for
 from tests.app.test_readiness import stop, wait_ready
@@ -187,6 +188,32 @@ def test_a_graph_is_exported_once_and_again_when_its_tower_changes(
     image = [decode(data_uri("image/png", png(5)), vit_cfg)]
     torch_now = rt.load_tower(vit_cfg)(image)  # the torch path reads the files again too
     assert (new(image) - torch_now).abs().max() < 1e-4
+
+
+def test_a_call_granted_every_core_runs_in_a_session_of_every_core(served, embeddings) -> None:
+    """The service grants an encode call its threads through torch.set_num_threads (a lone
+    query: every core); an ONNX session's count is fixed, so such a call runs in a second
+    session made with every core's thread, and gives the same embeddings."""
+    model_dir = served[0]
+    cfg = load_model(model_dir).cfg.modalities["photo"]
+    tower = rt.OnnxTower(
+        load_processor(cfg), rt.ensure_graph(cfg, Runtime("onnx", model_dir / "onnx")), 1, 2
+    )
+    images = queries(load_model(model_dir).cfg)["photo"]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        share = tower(images)
+        assert sorted(tower._sessions) == [1]  # the second session only when a call needs it
+        torch.set_num_threads(2)
+        every = tower(images)
+    finally:
+        torch.set_num_threads(before)
+    threads = {
+        n: int(s.get_session_options().intra_op_num_threads) for n, s in tower._sessions.items()
+    }
+    assert threads == {1: 1, 2: 2}
+    assert (every - share).abs().max() < 1e-5
 
 
 def test_a_missing_onnxruntime_is_one_line_at_start(served, tmp_path) -> None:
