@@ -4,6 +4,7 @@ figures; it is not a test (a shared machine is noisy).
     python benchmarks/bench_tower_serving.py                       # text, image, audio; torch
     python benchmarks/bench_tower_serving.py --runtimes torch,onnx,onnx-int8 --modalities text
     python benchmarks/bench_tower_serving.py --work DIR --seconds 10   # towers and index kept
+    python benchmarks/bench_tower_serving.py --before ../before --rounds 3  # a change's effect
 
 The towers and records are bench_towers.py's: ViT-B/16 (224 x 224), wav2vec 2.0 base (5-s clips
 at 16 kHz) random-initialised from `transformers`' config classes, and the packaged MiniLM; the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import functools
 import io
 import json
 import os
@@ -40,6 +42,7 @@ import tempfile
 import threading
 import time
 import wave
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -251,7 +254,9 @@ def served(
     threads: str,
     port: int,
     timeout_s: float,
+    code: Path = REPO,
 ) -> dict[str, Any]:
+    """`hclip serve` from the checkout `code` (this one by default) under the loads."""
     workers = usable_cores()
     env = bench_towers.env_for(
         usable_cores(), HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
@@ -265,9 +270,10 @@ def served(
     if threads != "auto":
         env["HCLIP_TORCH_THREADS"] = threads
     env.pop("HCLIP_REDIS_URL", None)
+    env["PYTHONPATH"] = str(code)
     cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
     server = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        cmd, cwd=code, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -296,6 +302,7 @@ def served(
             samples.append(running_threads(pids))
             time.sleep(0.05)
         t.join()
+        result["answered_qps"] = answered(result)
         wait_idle(pids)
         after = encode_batches(url, name)
         calls = after[1] - before[1]
@@ -312,6 +319,38 @@ def served(
         }
     finally:
         bench_server.stop(server)
+
+
+def answered(load: dict[str, Any]) -> float:
+    """q/s of answers with results (a 503 past the deadline is no answer)."""
+    return float(load["qps"]) * (1 - load["non_2xx"] / max(1, load["requests"]))
+
+
+def before_and_after(
+    before: Path, rounds: int, kind: str, runtime: str, serve: Callable[..., dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The same loads served by an earlier checkout and by this one, in turn, `rounds` times:
+    a change's effect as ratios of runs next to each other on one machine."""
+    pairs = []
+    for _ in range(rounds):
+        pair: dict[str, Any] = {}
+        for label, code in (("before", before), ("after", REPO)):
+            srv = serve(code=code)
+            pair[label] = {
+                "qps": srv["32_connections"]["answered_qps"],
+                "p50_ms": srv["1_connection"]["p50_ms"],
+                "batch": srv["encode_batch_mean"],
+            }
+        pair["qps_ratio"] = pair["after"]["qps"] / max(1e-9, pair["before"]["qps"])
+        b, a = pair["before"], pair["after"]
+        print(
+            f"  {kind} {runtime}, before -> after: {b['qps']:.1f} -> {a['qps']:.1f} q/s at 32 "
+            f"conn. (x{pair['qps_ratio']:.2f}), p50 {b['p50_ms']:.1f} -> {a['p50_ms']:.1f} ms, "
+            f"batch {b['batch']:.1f} -> {a['batch']:.1f}",
+            flush=True,
+        )
+        pairs.append(pair)
+    return pairs
 
 
 def build_index(model: Path, records: Path, root: Path) -> None:
@@ -339,6 +378,13 @@ def main() -> None:
     )
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
+    p.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of earlier code (git worktree add DIR REV): served in turn with this "
+        "one, --rounds times, for each query and runtime (default threads)",
+    )
+    p.add_argument("--rounds", type=int, default=2, help="before/after pairs (with --before)")
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="hclip-tower-serving-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -368,9 +414,7 @@ def main() -> None:
             lim = bare(model, name, batch, values, min(args.seconds, 15.0), runtime)
             row = {"query": kind, "runtime": runtime, "threads": threads, "limit": lim,
                    "served": srv}  # fmt: skip
-            load = srv["32_connections"]
-            load["answered_qps"] = load["qps"] * (1 - load["non_2xx"] / max(1, load["requests"]))
-            row["ratio"] = load["answered_qps"] / lim["qps"]  # answered with results only
+            row["ratio"] = srv["32_connections"]["answered_qps"] / lim["qps"]
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
             torch_row = next((r for r in figures["rows"] if r["query"] == kind
                               and r["runtime"] == "torch"), None)  # fmt: skip
@@ -392,6 +436,13 @@ def main() -> None:
                 ),
                 flush=True,
             )
+            if args.before is not None and threads == "auto":
+                serve = functools.partial(
+                    served, root, name, bodies, seconds, runtime, "auto", args.port, timeout_s
+                )
+                row["before_and_after"] = before_and_after(
+                    args.before, args.rounds, kind, runtime, serve
+                )
     if args.out:
         args.out.write_text(json.dumps(figures, indent=2) + "\n")
 

@@ -3,10 +3,11 @@ a modality's encodes.
 
 While a call runs, the requests that arrive queue up and go together in the next call; a lone
 request is dispatched at once, unless HCLIP_BATCH_WAIT_MS asks for a short wait. A tower's
-encoder also holds a call under load (`hold_share`): after a call of n inputs, the next waits,
-for at most a share of that call's time, until n are queued again. The clients the last call
-answered are then sending their next queries; dispatching the first of them alone would cost a
-tower call for one input (MiniLM: 3x an input's share of a call of 12) and split the rest.
+encoder also holds a call under load (`hold_share`): after a call of n inputs, the next waits
+until n are queued again, for at most a share of that call's time (and 50 ms). The clients the
+last call answered are then sending their next queries; dispatching the first of them alone
+would cost a tower call for one input (MiniLM: 3x an input's share of a call of 12) and split
+the rest.
 
 Three guarantees hold whatever one item does:
 - an item's failure is its own: `run_batch` answers per item, and if the whole call raises, the
@@ -44,10 +45,12 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 GATHER_TURNS = 8  # at most this many turns of the event loop spent gathering a batch
-# A tower's call under load waits at most this share of the last call's time for the inputs
-# the last call answered to come back: a quarter bounds what a lone query arriving just after
-# a burst pays, and is many times the few ms a cohort of clients takes to send again.
+# A tower's call under load waits at most this share of the last call's time, and at most
+# HOLD_MAX_S, for the inputs the last call answered to come back: that bounds what a lone
+# query arriving just after a burst pays, and is many times the few ms a cohort of clients
+# takes to send again.
 ENCODE_HOLD_SHARE = 0.25
+HOLD_MAX_S = 0.05
 
 
 class MicroBatcher(Generic[T, R]):
@@ -127,12 +130,13 @@ class MicroBatcher(Generic[T, R]):
 
     async def _hold(self) -> None:
         """Under load (the last call took several inputs), wait until as many are queued again,
-        or until `hold_share` of the last call's time has passed since it ended."""
+        or until `hold_share` of the last call's time (HOLD_MAX_S at most) has passed since it
+        ended."""
         size, ended, took = self._last
         wanted = min(size, self.max_batch)
         if not self.hold_share or wanted < 2 or len(self._pending) >= wanted:
             return
-        left = ended + self.hold_share * took - time.perf_counter()
+        left = ended + min(self.hold_share * took, HOLD_MAX_S) - time.perf_counter()
         if left <= 0:
             return
         self._wanted = wanted
