@@ -255,22 +255,22 @@ def served(
     port: int,
     timeout_s: float,
     code: Path = REPO,
+    top10: bool = True,
 ) -> dict[str, Any]:
-    """`hclip serve` from the checkout `code` (this one by default) under the loads."""
+    """`hclip serve` from the checkout `code` (this one by default) under the loads; with
+    `top10`, the first queries' top-10 ids too (runtimes compared)."""
     workers = usable_cores()
-    env = bench_towers.env_for(
-        usable_cores(), HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
+    env = bench_server.env_for(
+        code, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
         HCLIP_ENCODER_RUNTIME=runtime, HCLIP_MAX_PENDING="4096",
         # 32 image or audio queries queued wait longer than the default deadline (10 s): a load
         # that answers 503s measures the deadline, not the tower's pace
         HCLIP_REQUEST_TIMEOUT_S=str(timeout_s),
     )  # fmt: skip
-    env.pop("OMP_NUM_THREADS")  # the service sizes its own pools from cores and workers
+    env.pop("OMP_NUM_THREADS", None)  # the service sizes its own pools from cores and workers
     env.pop("HCLIP_TORCH_THREADS", None)
     if threads != "auto":
         env["HCLIP_TORCH_THREADS"] = threads
-    env.pop("HCLIP_REDIS_URL", None)
-    env["PYTHONPATH"] = str(code)
     cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
     server = subprocess.Popen(
         cmd, cwd=code, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -315,7 +315,7 @@ def served(
             "busy_threads_mean": statistics.mean(busy),
             "busy_threads_max": max(busy),
             "threads": max((t for _, t in samples), default=0),
-            "top10": top_ids(url, bodies, OVERLAP_QUERIES),
+            "top10": top_ids(url, bodies, OVERLAP_QUERIES) if top10 else [],
         }
     finally:
         bench_server.stop(server)
@@ -335,7 +335,7 @@ def before_and_after(
     for _ in range(rounds):
         pair: dict[str, Any] = {}
         for label, code in (("before", before), ("after", REPO)):
-            srv = serve(code=code)
+            srv = serve(code=code, top10=False)
             pair[label] = {
                 "qps": srv["32_connections"]["answered_qps"],
                 "p50_ms": srv["1_connection"]["p50_ms"],

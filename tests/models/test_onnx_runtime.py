@@ -190,16 +190,17 @@ def test_a_graph_is_exported_once_and_again_when_its_tower_changes(
     assert (new(image) - torch_now).abs().max() < 1e-4
 
 
-def test_a_call_granted_every_core_runs_in_a_session_of_every_core(served, embeddings) -> None:
+def test_a_call_granted_every_core_runs_in_a_session_of_every_core(served) -> None:
     """The service grants an encode call its threads through torch.set_num_threads (a lone
     query: every core); an ONNX session's count is fixed, so such a call runs in a second
     session made with every core's thread, and gives the same embeddings."""
     model_dir = served[0]
-    cfg = load_model(model_dir).cfg.modalities["photo"]
+    model_cfg = load_model(model_dir).cfg
+    cfg = model_cfg.modalities["photo"]
     tower = rt.OnnxTower(
         load_processor(cfg), rt.ensure_graph(cfg, Runtime("onnx", model_dir / "onnx")), 1, 2
     )
-    images = queries(load_model(model_dir).cfg)["photo"]
+    images = queries(model_cfg)["photo"]
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
