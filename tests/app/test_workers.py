@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.server.serve import HEALTHCHECK_S
 from indexer.store import artifact
 from indexer.store.version import LoadedVersion
 from models.checkpoint import load_model
@@ -152,7 +153,10 @@ def test_a_dead_worker_is_replaced_on_the_same_listening_socket(two_workers) -> 
             instances.add(r.headers["x-hclip-instance"])
         return len(instances) == 3 and listening_sockets(port) == 1
 
-    wait_until(replaced, timeout=60)
+    # uvicorn's manager pings each worker every 0.5 s; a worker killed while a ping is in flight
+    # is only found dead when the ping times out (the manager holds the pipe's other end too),
+    # HEALTHCHECK_S later: its replacement may come that late, then takes its start-up time
+    wait_until(replaced, timeout=HEALTHCHECK_S + 60)
     query = {"a": records_v("q", n=1)[0]["a"]}
     for _ in range(10):  # both workers answer every request
         assert fresh(url, "POST", "/v1/search", json={"query": query}).status_code == 200
