@@ -181,10 +181,11 @@ class OnnxTower:
     A session's thread count is fixed when it is made, where torch's is set per call: the
     service grants each encode call its threads (app.services.core_share) through
     torch.set_num_threads in the encode thread. So a call granted every core (a lone query,
-    no other encode running) runs in a second session with every core's thread, made on
-    first use; any other grant runs in the session of `threads`. The second session holds a
-    second copy of the weights: that is the price of a lone query at the tower's full pace
-    (ViT-B/16 on two cores: docs/benchmarks/tower_serving.md)."""
+    no other encode running) runs in a second session with every core's thread; any other
+    grant runs in the session of `threads`. Both are made here, before the worker serves: the
+    first lone query does not wait for a session (graph optimisation, allocation). The second
+    session holds a second copy of the weights: that is the price of a lone query at the
+    tower's full pace (ViT-B/16 on two cores: docs/benchmarks/tower_serving.md)."""
 
     def __init__(self, prep: Processor, path: Path, threads: int, cores: int | None = None):
         self.prep = prep
@@ -195,6 +196,7 @@ class OnnxTower:
         self._lock = threading.Lock()
         session = self._session(self.threads)
         self.names = [i.name for i in session.get_inputs()]  # the exporter drops unused ones
+        self._session(self.cores)
 
     def _session(self, threads: int) -> Any:
         with self._lock:

@@ -193,7 +193,8 @@ def test_a_graph_is_exported_once_and_again_when_its_tower_changes(
 def test_a_call_granted_every_core_runs_in_a_session_of_every_core(served) -> None:
     """The service grants an encode call its threads through torch.set_num_threads (a lone
     query: every core); an ONNX session's count is fixed, so such a call runs in a second
-    session made with every core's thread, and gives the same embeddings."""
+    session made with every core's thread (made with the tower, so the first lone query does
+    not wait for it), and gives the same embeddings."""
     model_dir = served[0]
     model_cfg = load_model(model_dir).cfg
     cfg = model_cfg.modalities["photo"]
@@ -201,11 +202,12 @@ def test_a_call_granted_every_core_runs_in_a_session_of_every_core(served) -> No
         load_processor(cfg), rt.ensure_graph(cfg, Runtime("onnx", model_dir / "onnx")), 1, 2
     )
     images = queries(model_cfg)["photo"]
+    made = dict(tower._sessions)
+    assert sorted(made) == [1, 2]  # both before any call
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         share = tower(images)
-        assert sorted(tower._sessions) == [1]  # the second session only when a call needs it
         torch.set_num_threads(2)
         every = tower(images)
     finally:
@@ -214,6 +216,7 @@ def test_a_call_granted_every_core_runs_in_a_session_of_every_core(served) -> No
         n: int(s.get_session_options().intra_op_num_threads) for n, s in tower._sessions.items()
     }
     assert threads == {1: 1, 2: 2}
+    assert all(tower._sessions[n] is made[n] for n in made)  # no call made another
     assert (every - share).abs().max() < 1e-5
 
 
