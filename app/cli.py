@@ -91,6 +91,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 SERVING_COMMANDS = ("serve", "demo")
+# busy-wait iterations before an idle OpenMP thread sleeps: about a millisecond by libgomp's own
+# estimate; with the passive policy, libgomp spins none once its threads outnumber the cores
+SPIN_BEFORE_SLEEP = "100000"
 
 
 def _command(argv: Sequence[str]) -> str | None:
@@ -101,9 +104,12 @@ def _command(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _command(argv) in SERVING_COMMANDS:
-        # Idle OpenMP threads must sleep, not spin, while the other core serves HTTP. libgomp
-        # reads this once, when torch loads it, so it is set before anything imports torch.
+        # Idle OpenMP threads sleep, not spin, while another worker needs the core; but a
+        # forward's threads spin briefly between its parallel regions (microseconds apart), or
+        # each region waits for a sleeping thread to wake (docs/benchmarks/tower_serving.md).
+        # libgomp reads both once, when torch loads it: set before anything imports torch.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_BEFORE_SLEEP)
     args = build_parser(_command(argv)).parse_args(argv)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     # The job named in every error: `hclip index build`, not `hclip index`.

@@ -5,6 +5,7 @@ own module; a reader that leaves early ends the command without a traceback."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,30 @@ def test_help_and_argument_errors_import_no_torch(argv: list[str]) -> None:
     )  # fmt: skip
     assert "heavy: none" in done.stdout, done.stdout + done.stderr
     assert "usage: hclip" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "policy", "spin"),
+    [
+        ({}, "PASSIVE", "100000"),
+        ({"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE", "0"),
+    ],
+)
+def test_serving_sets_openmp_waits_before_torch_loads_and_keeps_the_users(
+    given: dict[str, str], policy: str, spin: str
+) -> None:
+    """`hclip serve`: idle OpenMP threads sleep after a short spin (libgomp reads both once, when
+    torch loads); values the user set are kept."""
+    code = (
+        "import os, sys\n"
+        "from app.cli import main\n"
+        "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+        "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env={**env, **given, "PYTHONPATH": str(REPO)},
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-3:] == [policy, spin, "False"]
