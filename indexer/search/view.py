@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from indexer.search import ann, exact, half, lone_query
+from indexer.search import ann, exact, lone_query
 from indexer.search.specs import IndexSpec
 
 EXACT_FILTERED_ROWS = 20_000  # filtered searches over this few allowed rows are exact
@@ -51,7 +51,7 @@ class View:
     spec: IndexSpec
     rows: np.ndarray  # position -> record row
     dim: int
-    vectors: np.ndarray | None = None  # flat: (n, dim) float32 (float16: compact), mapped
+    vectors: np.ndarray | None = None  # flat: (n, dim) float32, memory-mapped
     index: Any = None  # approximate: a FAISS index
     max_norm: float | None = None
     width: int | None = None
@@ -84,9 +84,7 @@ class View:
         (IVF). `allowed` (count,) bool restricts the search to those positions (a filter);
         `effort` overrides an approximate index's ef_search or nprobe."""
         xq = np.ascontiguousarray(xq, dtype=np.float32)
-        if self.vectors is not None and self.vectors.dtype == np.float16:
-            scores, pos = half.search(xq, self.vectors, k, allowed)  # a compact version's
-        elif self.vectors is not None:
+        if self.vectors is not None:
             if allowed is None:
                 scores, pos = lone_query.search(xq, self.vectors, k)
             else:
