@@ -234,6 +234,26 @@ def test_verify_catches_a_flipped_byte_in_codes(corpus, tmp_path: Path, capsys, 
     assert f"{rel}: checksum mismatch" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(
+    ("spec", "stores"),
+    [("ivfsq:nlist=4,nprobe=4,rerank=30", "codes:IVF-SQ8"),
+     ("ivfpq:nlist=4,m=3,nbits=4,nprobe=4,rerank=30", "codes:IVF-PQ")],
+)  # fmt: skip
+def test_inverted_file_codes_as_compact_product_views(corpus, spec: str, stores: str) -> None:
+    full = _built(corpus, "full")
+    comp = _built(corpus, f"compact-{stores[6:]}", "--compact", "--spec", spec)
+    assert comp.manifest["compact"]["codes"] == spec
+    for name in full.views:
+        entry = comp.manifest["views"][name]
+        assert entry["stores"] == (stores if len(entry["target"]) > 1 else "float16")
+        xq = _queries(full, corpus[0], name)
+        s_full, r_full = full.views[name].search(xq, 10)
+        s_comp, r_comp = comp.views[name].search(xq, 10)
+        assert _same_top(full, name, xq, r_full, s_full, r_comp), name  # every list probed
+        assert np.allclose(s_comp, s_full, rtol=1e-2, atol=1e-3 * np.abs(s_full).max())
+    assert verify(comp.path) == []
+
+
 def test_sum_of_pairs_compact_views_are_all_codes(tmp_path: Path) -> None:
     """A head whose one-modality factor is not the embedding keeps no float view at all."""
     write_jsonl(tmp_path / "r.jsonl", vector_records(200, DIMS, seed=1, k=200))
