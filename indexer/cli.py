@@ -272,6 +272,7 @@ def _list(args: argparse.Namespace) -> int:
             print(
                 f"{mark} {r['version']}  {r['created']}  {r['records']:>9} records  "
                 f"parent {r['parent'] or '-'}  views {','.join(r['views'])}"
+                f"{'  compact' if r['compact'] else ''}"
             )
     return 0
 

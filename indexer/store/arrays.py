@@ -57,7 +57,7 @@ def _npy_header(rows: int, dim: int | None, descr: str = "<f4") -> bytes:
     )
 
 
-class _Appender(ABC):
+class Appender(ABC):
     """Base: a file opened for writing, with a header patched on close. Rows are `dim` wide,
     or scalars when dim is None (a 1-D array).
 
@@ -120,7 +120,7 @@ class _Appender(ABC):
         start_writeback(self._f.fileno())
         self._f.close()
 
-    def __enter__(self) -> _Appender:
+    def __enter__(self) -> Appender:
         return self
 
     def __exit__(
@@ -129,7 +129,7 @@ class _Appender(ABC):
         self.close()
 
 
-class NpyAppender(_Appender):
+class NpyAppender(Appender):
     """A (rows, dim) `.npy` file (float32 unless told otherwise; (rows,) when dim is None),
     np.load(..., mmap_mode='r')-able once closed."""
 

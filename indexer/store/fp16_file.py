@@ -23,7 +23,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from indexer.store.arrays import _Appender
+from indexer.store.arrays import Appender
 
 NTOTAL_AT = 8  # the header: fourcc (4 bytes), d (int32), ntotal (int64), ...
 DTYPE = np.dtype("<f2")
@@ -39,7 +39,7 @@ def _empty_header(dim: int) -> bytes:
     return bytes(faiss.serialize_index(index))  # ends with the codes' length: 0
 
 
-class Fp16Appender(_Appender):
+class Fp16Appender(Appender):
     """Rows appended as float16 (rounded to nearest) into a FAISS QT_fp16 index file."""
 
     def __init__(self, path: Path, dim: int):

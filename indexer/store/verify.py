@@ -6,8 +6,9 @@ a build publishes.
   checks every array's shape against the manifest;
 - full: every checksum, the record store's internal consistency (ids hash to their index
   entries, payloads are JSON objects), each view holds exactly the rows that have its target
-  modalities, and each flat view's vectors equal the products recomputed from the stored
-  embeddings.
+  modalities, and each flat view's vectors (a compact version's float16 views too) equal the
+  products recomputed from the stored embeddings; a compact version's codes are checked by
+  their checksums.
 """
 
 from __future__ import annotations

@@ -202,6 +202,7 @@ def test_update_and_rollback_across_full_and_compact(corpus, tmp_path: Path) -> 
         assert a is not None and b is not None
         for n in v3.names:
             assert np.array_equal(v3.stored.embeddings[n][b], v2.stored.embeddings[n][a])
+    assert [r["compact"] for r in artifact.list_versions(root)] == [False, True, True, False]
     assert run_cli("index", "rollback", "--root", root) == 0
     assert artifact.read_current(root) == stays
     rolled = LoadedVersion(artifact.current_version_dir(root))
