@@ -99,7 +99,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             action=argparse.BooleanOptionalAction,
             default=None,
             help="store embeddings as float16 and each product view only as FAISS codes "
-            "(--spec sq8[:rerank=R], the default, ivfsq or ivfpq), every search re-ranked "
+            "(--spec sq8[:rerank=R], the default, auto[:recall=R], ivfsq or ivfpq), every "
+            "search re-ranked "
             "exactly from the float16 embeddings (docs/design.md §5); default: full at build, "
             "the current version's form at update (--no-compact makes it full)",
         )

@@ -255,6 +255,36 @@ def test_inverted_file_codes_as_compact_product_views(corpus, spec: str, stores:
     assert verify(comp.path) == []
 
 
+def test_auto_picks_each_views_smallest_rerank_depth_for_the_target(corpus, tmp_path) -> None:
+    from indexer.tune.rerank_depth import DEPTHS
+
+    model, records, _ = corpus
+    root = tmp_path / "root"
+    assert index_build(model, records, root, "--compact", "--spec", "auto:recall=0.999") == 0
+    v = LoadedVersion(artifact.current_version_dir(root))
+    assert v.manifest["compact"] == {"embeddings": "float16", "codes": "auto:recall=0.999",
+                                     "rerank": None}  # fmt: skip
+    for name, entry in v.manifest["views"].items():
+        if entry["stores"] == "float16":
+            continue
+        spec, tuning = entry["spec"], entry["tuning"]
+        assert spec["kind"] == "sq8" and spec["target_recall"] == 0.999
+        depth = spec["rerank"]
+        tried = {int(d): r for d, r in tuning["tried"].items()}
+        assert list(tried) == [d for d in DEPTHS if d <= depth]
+        assert tried[depth] >= 0.999 and all(r < 0.999 for d, r in tried.items() if d < depth)
+        assert entry["recall_at_10"] == tuning["check"]["recall"]
+        full_scan = _exact_top(v, name, _queries(v, model, name), 10)
+        _, found = v.views[name].search(_queries(v, model, name), 10)
+        assert np.mean([len(set(a) & set(b)) for a, b in zip(full_scan, found, strict=True)]) >= 9
+    # an update measures again for the same target
+    (tmp_path / "none.txt").write_text("nobody\n")
+    assert run_cli("index", "update", "--root", root, "--delete", tmp_path / "none.txt",
+                   "--views", "a,b+c", "--quiet") == 0  # fmt: skip
+    again = artifact.read_manifest(artifact.current_version_dir(root))
+    assert again["views"]["a"]["spec"]["target_recall"] == 0.999 and "tuning" in again["views"]["a"]
+
+
 def test_sum_of_pairs_compact_views_are_all_codes(tmp_path: Path) -> None:
     """A head whose one-modality factor is not the embedding keeps no float view at all."""
     write_jsonl(tmp_path / "r.jsonl", vector_records(200, DIMS, seed=1, k=200))
@@ -277,7 +307,8 @@ def test_sum_of_pairs_compact_views_are_all_codes(tmp_path: Path) -> None:
     ("extra", "message"),
     [
         (("--compact", "--spec", "hnsw"), "--compact: --spec hnsw is not supported"),
-        (("--compact", "--spec", "auto"), "--compact: --spec auto is not supported"),
+        (("--compact", "--spec", "ivf"), "--compact: --spec ivf is not supported"),
+        (("--compact", "--spec", "auto:batch=4"), "--compact: --spec auto takes recall=R only"),
         (("--compact", "--spec", "sq8:rerank=0"), "--compact: --spec sq8:rerank=0 must re-rank"),
         (("--compact", "--backend", "milvus"), "--compact: not supported with --backend milvus"),
         (("--spec", "fp16"), "--spec: unknown index kind 'fp16'"),
