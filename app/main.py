@@ -29,7 +29,7 @@ from app.services.state import AppState
 from app.services.threads import WorkerPools
 from app.services.versions import ServingVersion, VersionManager
 from app.services.workers import WorkerBoard, exit_with_parent
-from indexer.search import exact, lone_query
+from indexer.search import ann, exact, lone_query
 from models.machine import usable_cores
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         faiss.omp_set_num_threads(settings.search_threads)
         exact.use_blas_from(settings.faiss_blas_from)
         lone_query.use_threads(settings.lone_query_threads)
+        ann.use_rerank_factor(settings.rerank_factor)
         # numpy's and FAISS's OpenBLAS keep a pool of one thread per core, process-wide: held
         # to this worker's share.
         threadpoolctl.threadpool_limits(settings.search_threads, user_api="blas")

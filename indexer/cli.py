@@ -33,7 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             "--spec",
             help="flat (default) | auto[:recall=0.95] (measure and pick) | hnsw[:M=..,"
             "ef_search=..] | ivf[:nlist=..,nprobe=..] | ivfip[:nlist=..,nprobe=..] | "
-            "ivfpq[:nlist=..,m=..,nbits=..,nprobe=..,rerank=..] | ivfsq[:nlist=..,nprobe=..]",
+            "ivfpq[:nlist=..,m=..,nbits=..,nprobe=..,rerank=..] | ivfsq[:nlist=..,nprobe=..] | "
+            "sq8[:rerank=..] (8-bit codes, re-ranked exactly)",
         )
         sp.add_argument(
             "--views",
@@ -92,6 +93,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         )
         sp.add_argument(
             "--shards", type=int, default=1, help="with --backend milvus: shards per collection"
+        )
+        sp.add_argument(
+            "--compact",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="store embeddings as float16 and each product view only as FAISS codes "
+            "(--spec sq8[:rerank=R], the default, auto[:recall=R], ivfsq or ivfpq), every "
+            "search re-ranked "
+            "exactly from the float16 embeddings (docs/design.md §5); default: full at build, "
+            "the current version's form at update (--no-compact makes it full)",
         )
         sp.add_argument(
             "--device",
@@ -185,6 +196,7 @@ def _options(args: argparse.Namespace, names: list[str]) -> JobOptions:
         shards=args.shards,
         device=args.device,
         media_root=args.media_root,
+        compact=args.compact,
     )
     if args.spec:
         opts.spec = IndexSpec.parse(args.spec)
@@ -261,6 +273,7 @@ def _list(args: argparse.Namespace) -> int:
             print(
                 f"{mark} {r['version']}  {r['created']}  {r['records']:>9} records  "
                 f"parent {r['parent'] or '-'}  views {','.join(r['views'])}"
+                f"{'  compact' if r['compact'] else ''}"
             )
     return 0
 

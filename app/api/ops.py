@@ -69,6 +69,8 @@ def _view_info(entry: dict[str, Any]) -> dict[str, Any]:
         out["tuning"] = {
             k: tuning[k] for k in ("picked", "served_batch", "check", "flat", "why") if k in tuning
         }
+    if "stores" in entry:  # a compact version's view (indexer.build.compact)
+        out["stores"] = entry["stores"]
     if "milvus" in entry:  # a view held in Milvus (indexer.store.milvus_served.served_manifest)
         out["milvus"] = entry["milvus"]
     return out

@@ -232,6 +232,11 @@ class ViewInfo(BaseModel):
         None,
         description="for a view held in Milvus (--backend milvus): its collection and index type",
     )
+    stores: str | None = Field(
+        None,
+        description="for a compact version's view (--compact): `float16` (searched exactly) or "
+        "`codes:SQ8`, `codes:IVF-SQ8`, `codes:IVF-PQ` (candidates re-ranked exactly)",
+    )
 
 
 class RejectedVersion(BaseModel):

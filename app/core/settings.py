@@ -161,6 +161,14 @@ class Settings(BaseSettings):
         description="threads a lone exact query scans its view on, in slices (default: the "
         "cores; indexer/search/lone_query.py)",
     )
+    rerank_factor: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="candidates per result that views of codes (a compact version's `sq8`, "
+        "`ivfsq`, `ivfpq`) re-rank exactly; 0: each view's own `rerank` from its build "
+        "(indexer/search/ann.py)",
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

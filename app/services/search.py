@@ -155,7 +155,7 @@ class SearchService:
         ]
         out: dict[str, object] = {"index_version": serving.version, "view": c.view}
         view = serving.index.views[c.view]
-        if not view.spec.exact:
+        if not view.spec.exact and view.spec.effort is not None:  # sq8, fp16: no effort
             out["effort"] = c.effort or view.default_effort
         out["results"] = results
         return orjson.dumps(out)

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from indexer.build import compact
 from indexer.build.backend import choose_backend
 from indexer.build.engine import encode_records
 from indexer.build.options import JobOptions, JobResult
@@ -21,12 +22,15 @@ from models.checkpoint import fingerprint, load_model, read_config
 def build(model_dir: Path, records_path: Path, root: Path, opts: JobOptions) -> JobResult:
     """A full build: every record of `records_path` (a file, a directory or a glob)."""
     limits = opts.input_limits()
+    opts.compact = bool(opts.compact)
+    compact.check_options(opts)
     model = load_model(model_dir).to_inference(opts.device, field="--device")
     block = _model_block(model_dir, fingerprint(model_dir))
     files = RecordFiles.resolve(records_path)
     with artifact.root_lock(root, "build"):
         artifact.clean_staging(root)
         target = choose_backend(root, opts)
+        compact.check_options(opts, milvus=target is not None)
         stage = artifact.staging_dir(root, artifact.new_version_id())
         with artifact.removed_on_failure(root, stage):
             fields = opts.filter_fields or ()

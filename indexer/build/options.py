@@ -34,6 +34,9 @@ class JobOptions:
     shards: int = 1  # Milvus shards per collection
     device: str = "auto"  # where the local engine encodes: auto (a GPU if any), cpu, cuda
     media_root: Path | None = None  # where records' media paths may lead; None: their folder
+    # float16 embeddings and views stored as codes (indexer.build.compact); None: full at a
+    # build, the version's own at an update
+    compact: bool | None = None
 
     def input_limits(self) -> InputLimits:
         """What decoding a record may read: files inside media_root (else the records file's
@@ -59,6 +62,7 @@ def summary(result: JobResult) -> Iterator[str]:
     yield f"published version {result.version} ({m['counts']['records']} records)"
     for name, v in m["views"].items():
         kind, recall = v["spec"]["kind"], v["recall_at_10"]
-        yield f"  view {name:<20} {v['count']:>9} records  {kind:<6} recall@10 {recall}"
+        stores = f"  stores {v['stores']}" if "stores" in v else ""  # a compact version's
+        yield f"  view {name:<20} {v['count']:>9} records  {kind:<6} recall@10 {recall}{stores}"
     for r in result.rejected:
         yield f"  rejected {r.where()}: {r.reason}"

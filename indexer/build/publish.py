@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from indexer.build import milvus_export
+from indexer.build import compact, milvus_export
 from indexer.build.backend import Target
 from indexer.build.engine import engine_block
 from indexer.build.options import JobOptions, JobResult
@@ -54,7 +54,7 @@ class PublishPlan:
 def views_writer(stage: Path, model: MultimodalModel, opts: JobOptions) -> FlatViewsWriter | None:
     """Exact views are written with the rows (indexer.build.views.FlatViewsWriter); the others are
     built from the stored embeddings once every row is in (publish)."""
-    if not opts.spec.exact or opts.spec.tuned:
+    if not opts.spec.exact or opts.spec.tuned or opts.compact:
         return None
     return FlatViewsWriter(stage, model.head, opts.views or default_views(model.names), opts.spec)
 
@@ -64,6 +64,10 @@ def publish(plan: PublishPlan) -> JobResult:
     write the manifest, check and publish; on the milvus backend (`plan.target`), write the
     collections first: CURRENT names the version only once every one is loaded."""
     stage, model, target = plan.stage, plan.model, plan.target
+    if plan.opts.compact:
+        if target is not None:  # compact.check_options refuses it first: never half-written
+            raise artifact.ArtifactError("--compact: not supported with --backend milvus")
+        compact.halve_embeddings(stage, model.names)
     stored = load_rows(stage, model.names, mmap=False)
     if stored.count == 0:
         raise RecordError("no valid records: nothing to index")
@@ -112,6 +116,8 @@ def _build_views(plan: PublishPlan, stored: StoredRows) -> list[dict[str, Any]]:
     must not share the machine with another view."""
     model, opts = plan.model, plan.opts
     queries = opts.views or default_views(model.names)
+    if opts.compact:
+        return compact.build_views(plan.stage, model.head, stored, queries, opts.spec)
     return [build_view(plan.stage, model.head, stored, q, opts.spec) for q in queries]
 
 
@@ -145,6 +151,7 @@ def _manifest(
         "rejected": [r.to_dict() for r in rejected[:MANIFEST_REJECTS]],
         "rejected_file": artifact.REJECTED if rejected else None,
         "engine": engine_block(plan.opts),
+        **({"compact": compact.manifest_block(plan.opts.spec)} if plan.opts.compact else {}),
         **plan.extra,
     }
 

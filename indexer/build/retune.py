@@ -28,7 +28,7 @@ from indexer.store import artifact
 from indexer.store.recordstore import id_hash_of
 from indexer.store.rows import load_rows
 from indexer.store.verify import verify_contents
-from indexer.store.version import LoadedVersion, built_by
+from indexer.store.version import LoadedVersion, built_by, is_compact
 from indexer.tune.query_log import read_queries
 from indexer.tune.tuner import FAMILIES, TuneOptions
 from models.checkpoint import load_model
@@ -124,6 +124,12 @@ def tune_version(
                 f"version {old.name} keeps its views in Milvus: `hclip index tune` measures FAISS "
                 "indexes on this machine; give Milvus an index with `hclip index update --root "
                 f"{root} --spec hnsw|ivf|ivfpq|ivfsq[:...]` (its recall@10 is measured)"
+            )
+        if is_compact(manifest):
+            raise SpecError(
+                f"version {old.name} is compact: `hclip index tune` measures indexes over float32 "
+                "views, which a compact version does not keep; its codes are set by --spec at "
+                f"`hclip index update --root {root} --compact --spec sq8|ivfsq|ivfpq[:...]`"
             )
         known = list(manifest["views"])
         chosen = views or known

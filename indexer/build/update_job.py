@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from indexer.build import compact
 from indexer.build.backend import choose_backend
 from indexer.build.engine import encode_records
 from indexer.build.options import JobOptions, JobResult
@@ -18,12 +19,11 @@ from indexer.build.writer import RowWriter
 from indexer.ingest.admission import Admission
 from indexer.ingest.sources import RecordFiles
 from indexer.ingest.validate import Validator
-from indexer.search.specs import IndexSpec
+from indexer.search.specs import BUILT_ONLY_KINDS, IndexSpec
 from indexer.store import artifact
-from indexer.store.arrays import NpyRows
 from indexer.store.recordstore import RecordStore, id_hash_of
-from indexer.store.rows import embedding_path
-from indexer.store.version import built_by
+from indexer.store.rows import read_embeddings
+from indexer.store.version import built_by, is_compact
 from models.checkpoint import load_model
 from models.records import RecordError
 
@@ -55,12 +55,21 @@ def update(
         artifact.clean_staging(root)
         old = artifact.current_version_dir(root)
         manifest = artifact.read_manifest(old)
+        was_compact = is_compact(manifest)
+        if opts.compact is None:  # an update keeps the version's form unless told
+            opts.compact = was_compact
+        layout_given = layout_given or opts.compact != was_compact
+        if not spec_given:
+            # the version's spec, or, switching between full and compact, the default of the
+            # new form (a compact version's codes mean nothing to a full one, and back)
+            same = opts.compact == was_compact
+            opts.spec = _previous_spec(manifest) if same else IndexSpec("flat")
+        compact.check_options(opts)
         hint = ": embeddings would mix models; run a full `hclip index build` instead"
         model_dir = built_by(manifest, model_dir, hint)
         model = load_model(model_dir).to_inference(opts.device, field="--device")
-        if not spec_given:
-            opts.spec = _previous_spec(manifest)
         target = choose_backend(root, opts, (manifest.get("backend") or {}).get("kind"))
+        compact.check_options(opts, milvus=target is not None)
         if opts.views is None:
             opts.views = [tuple(v["query"]) for v in manifest["views"].values()]
         if opts.filter_fields is None:
@@ -144,7 +153,7 @@ def _previous_spec(manifest: dict[str, Any]) -> IndexSpec:
     entries = backend.get("views") or manifest["views"]  # Milvus's indexes, where it holds them
     specs = [IndexSpec.from_dict(v["spec"]) for n, v in entries.items()
              if manifest["views"][n]["count"]]  # fmt: skip
-    approx = [s for s in specs if not s.exact]
+    approx = [s for s in specs if not s.exact and s.kind not in BUILT_ONLY_KINDS]
     return approx[0] if approx else IndexSpec("flat")
 
 
@@ -172,7 +181,7 @@ def _copy_rows(
     `writer`, with their stored embeddings and payloads as stored; (rows kept, rows dropped)."""
     store = RecordStore(src, names)  # its own field columns are not read: the writer's are
     # built anew from the payloads, so a field can be declared or dropped by an update
-    arrays = {n: NpyRows(embedding_path(src, n)) for n in names}
+    arrays = {n: read_embeddings(src, n) for n in names}  # float32, from either store
     kept = dropped = 0
     for start, ids, payloads, presence in store.iter_chunks():
         keep = [i for i, rid in enumerate(ids) if not drop or rid not in drop]

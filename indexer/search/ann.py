@@ -29,9 +29,23 @@ def stored_form(spec: IndexSpec, x: np.ndarray, max_norm: float, width: int) -> 
     return mips.augment(x, max_norm, width)
 
 
+_rerank_factor = 0  # 0: each spec's own re-ranking depth
+
+
+def use_rerank_factor(factor: int) -> None:
+    """Every view of re-ranked codes fetches `factor` candidates per result (process-wide;
+    HCLIP_RERANK_FACTOR in the service); 0: each spec's own `rerank`."""
+    global _rerank_factor
+    if factor < 0:
+        raise ValueError(f"rerank factor must be 0 or more, got {factor}")
+    _rerank_factor = factor
+
+
 def rerank_depth(spec: IndexSpec) -> int:
-    """How many candidates per result the index returns for exact re-scoring (0: none)."""
-    return int(spec.params.get("rerank", 0))
+    """How many candidates per result the index returns for exact re-scoring (0: none): the
+    process's rerank factor where one is set and the spec re-ranks, else the spec's."""
+    depth = int(spec.params.get("rerank", 0))
+    return _rerank_factor if depth and _rerank_factor else depth
 
 
 def effort_used(spec: IndexSpec, effort: int | None, k: int) -> int | None:

@@ -3,7 +3,12 @@ norm-augmented vectors of indexer.search.mips.
 
 Spec strings: `flat` | `hnsw[:M=32,ef_construction=200,ef_search=128]` |
 `ivf[:nlist=1024,nprobe=32]` | `ivfpq[:nlist=1024,m=16,nbits=8,nprobe=32,rerank=10]` |
-`ivfsq[:nlist=1024,nprobe=32,rerank=4]` | `ivfip[:nlist=1024,nprobe=32]` | `auto[:recall=0.95]`.
+`ivfsq[:nlist=1024,nprobe=32,rerank=4]` | `ivfip[:nlist=1024,nprobe=32]` | `sq8[:rerank=10]` |
+`auto[:recall=0.95]`.
+
+`sq8` is a flat scan of 8-bit scalar codes (one byte per dimension, FAISS's
+IndexScalarQuantizer) of the raw products under inner product, its best k * rerank re-scored
+exactly: the product views of a compact version (indexer.build.compact).
 
 `ivfip` is the one kind that does not store the norm-augmented vectors: an inverted file over
 the raw products with inner-product lists, probed by <q, centroid>, where the augmented L2
@@ -38,6 +43,11 @@ DEFAULTS: dict[str, dict[str, int]] = {
     # 8-bit scalar codes (one byte per dimension), re-ranked like ivfpq
     "ivfsq": {"nlist": 0, "nprobe": 32, "rerank": 4},
     "ivfip": {"nlist": 0, "nprobe": 32},
+    # a flat scan of 8-bit codes of the raw products, re-ranked like ivfsq (compact versions)
+    "sq8": {"rerank": 10},
+    # a compact version's float16 embeddings searched as they are (indexer.store.fp16_file):
+    # exact scores of the float16 rows; written by compact builds only, never asked for
+    "fp16": {},
     "auto": {},
 }
 DEFAULT_TARGET_RECALL = 0.95
@@ -49,7 +59,9 @@ EFFORT_PARAM = {
     "ivfip": "nprobe",
 }
 IVF_KINDS = ("ivf", "ivfpq", "ivfsq", "ivfip")
-INNER_PRODUCT_KINDS = ("ivfip",)  # they index the raw products, not the augmented ones
+INNER_PRODUCT_KINDS = ("ivfip", "sq8", "fp16")  # they index the raw products, not augmented ones
+FLAT_CODE_KINDS = ("sq8", "fp16")  # flat codes FAISS can memory-map (IO_FLAG_MMAP_IFC)
+BUILT_ONLY_KINDS = ("fp16",)  # written by a compact build, never given as --spec
 
 
 class SpecError(ValueError):
@@ -81,8 +93,9 @@ class IndexSpec:
     def parse(text: str) -> IndexSpec:
         kind, _, rest = text.strip().partition(":")
         kind = kind.strip().lower()
-        if kind not in DEFAULTS:
-            raise SpecError(f"--spec: unknown index kind {kind!r} (known: {', '.join(DEFAULTS)})")
+        if kind not in DEFAULTS or kind in BUILT_ONLY_KINDS:
+            known = ", ".join(k for k in DEFAULTS if k not in BUILT_ONLY_KINDS)
+            raise SpecError(f"--spec: unknown index kind {kind!r} (known: {known})")
         if kind == "auto":
             target, batch = _parse_auto(rest)
             return IndexSpec("auto", {"batch": batch} if batch else {}, target)
@@ -185,6 +198,9 @@ def new_index(spec: IndexSpec, width: int, n: int) -> Any:
         index.hnsw.efConstruction = p["ef_construction"]
         index.hnsw.efSearch = p["ef_search"]
         return index
+    if spec.kind == "sq8":
+        qt = faiss.ScalarQuantizer.QT_8bit
+        return faiss.IndexScalarQuantizer(width, qt, faiss.METRIC_INNER_PRODUCT)
     if spec.kind == "ivfip":
         ip = faiss.METRIC_INNER_PRODUCT
         index = faiss.IndexIVFFlat(faiss.IndexFlatIP(width), width, p["nlist"], ip)

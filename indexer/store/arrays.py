@@ -57,7 +57,7 @@ def _npy_header(rows: int, dim: int | None, descr: str = "<f4") -> bytes:
     )
 
 
-class _Appender(ABC):
+class Appender(ABC):
     """Base: a file opened for writing, with a header patched on close. Rows are `dim` wide,
     or scalars when dim is None (a 1-D array).
 
@@ -120,7 +120,7 @@ class _Appender(ABC):
         start_writeback(self._f.fileno())
         self._f.close()
 
-    def __enter__(self) -> _Appender:
+    def __enter__(self) -> Appender:
         return self
 
     def __exit__(
@@ -129,7 +129,7 @@ class _Appender(ABC):
         self.close()
 
 
-class NpyAppender(_Appender):
+class NpyAppender(Appender):
     """A (rows, dim) `.npy` file (float32 unless told otherwise; (rows,) when dim is None),
     np.load(..., mmap_mode='r')-able once closed."""
 
@@ -142,18 +142,29 @@ class NpyAppender(_Appender):
 
 
 class NpyRows:
-    """Reads rows of a float32 .npy written by NpyAppender with plain reads, chunk by chunk.
+    """Reads rows of a float32 or float16 .npy written by NpyAppender with plain reads, chunk
+    by chunk, as float32 (a compact version's float16 embeddings are widened exactly).
 
     Build jobs use this instead of a memory map: pages of a map that has been read stay in the
     process's resident set, so a map over all rows would make peak memory grow with the
     record count. Index it with sorted row numbers; it reads the spans they cover.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, raw: tuple[int, int, int] | None = None):
+        """`raw`: (offset, N, d) of float16 rows in a file that is no .npy (a compact
+        version's embeddings, indexer.store.fp16_file)."""
         self.path = path
+        if raw is not None:
+            self.offset, n, dim = raw
+            self.shape: tuple[int, int] = (n, dim)
+            self.dtype = np.dtype("<f2")
+            return
         header = np.load(path, mmap_mode="r")  # parses the header; touches no data pages
-        self.shape: tuple[int, int] = (int(header.shape[0]), int(header.shape[1]))
+        self.shape = (int(header.shape[0]), int(header.shape[1]))
         self.offset = int(header.offset)
+        self.dtype = np.dtype(header.dtype)
+        if self.dtype not in (np.dtype("<f4"), np.dtype("<f2")):
+            raise ValueError(f"{path}: rows of {self.dtype}, expected float32 or float16")
         del header
 
     def __len__(self) -> int:
@@ -167,10 +178,12 @@ class NpyRows:
         if hi - lo > 4 * idx.size + 1024:  # sparse rows: read two smaller spans, not one huge
             half = idx.size // 2
             return np.concatenate([self[idx[:half]], self[idx[half:]]])
-        dim = self.shape[1]
+        dim, size = self.shape[1], self.dtype.itemsize
         span = np.fromfile(
-            self.path, dtype="<f4", count=(hi - lo) * dim, offset=self.offset + lo * dim * 4
+            self.path, dtype=self.dtype, count=(hi - lo) * dim, offset=self.offset + lo * dim * size
         ).reshape(hi - lo, dim)
+        if size != 4:
+            span = span.astype(np.float32)
         if hi - lo == idx.size and bool((np.diff(idx) == 1).all()):
             return span  # consecutive rows, the common case: no second copy
         return span[idx - lo]

@@ -423,6 +423,7 @@ def list_versions(root: Path) -> list[dict[str, Any]]:
                 "parent": m.get("parent"),
                 "records": m.get("counts", {}).get("records"),
                 "views": sorted(m.get("views", {})),
+                "compact": bool(m.get("compact")),
                 "current": vdir.name == current,
             }
         )

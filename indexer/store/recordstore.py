@@ -192,7 +192,7 @@ class RecordStoreWriter:
             return
         for f in (self._ids, self._payloads):
             f.flush()
-            start_writeback(f.fileno())  # made durable by the publish (see arrays._Appender)
+            start_writeback(f.fileno())  # made durable by the publish (see arrays.Appender)
             f.close()
         for a in (self._ids_off, self._payloads_off, self._presence):
             a.close()

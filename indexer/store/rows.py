@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from indexer.search.ann import ExactVectors
-from indexer.store import artifact
+from indexer.store import artifact, fp16_file
 from indexer.store.arrays import NpyRows
 from indexer.store.recordstore import RecordStore
 from models.heads import Head
@@ -49,7 +49,11 @@ def factor_chunks(
     """The record (side='record') or query factor of `rows`, CHUNK rows at a time."""
     for start in range(0, len(rows), CHUNK):
         idx = rows[start : start + CHUNK]
-        embs = {n: torch.from_numpy(np.asarray(stored.embeddings[n][idx])) for n in names}
+        # float32 whatever the store holds: a compact version's float16 widened exactly
+        embs = {
+            n: torch.from_numpy(np.asarray(stored.embeddings[n][idx], dtype=np.float32))
+            for n in names
+        }
         if side == "record":
             out = head.record_factor(embs, tuple(names))
         else:
@@ -58,16 +62,39 @@ def factor_chunks(
 
 
 def embedding_path(vdir: Path, name: str) -> Path:
-    return vdir / artifact.EMBEDDINGS / f"{name}.npy"
+    """embeddings/<name>.npy (float32), or in a compact version embeddings/<name>.faiss
+    (float16, indexer.store.fp16_file): whichever the version holds."""
+    half = compact_embedding_path(vdir, name)
+    return half if half.exists() else vdir / artifact.EMBEDDINGS / f"{name}.npy"
+
+
+def compact_embedding_path(vdir: Path, name: str) -> Path:
+    return vdir / artifact.EMBEDDINGS / f"{name}{COMPACT_SUFFIX}"
+
+
+COMPACT_SUFFIX = ".faiss"
+
+
+def map_embeddings(vdir: Path, name: str) -> np.ndarray:
+    """(N, d) float32 or float16 embeddings of one modality, memory-mapped read-only."""
+    path = embedding_path(vdir, name)
+    if path.suffix == COMPACT_SUFFIX:
+        return fp16_file.map_rows(path)
+    return np.load(path, mmap_mode="r")
+
+
+def read_embeddings(vdir: Path, name: str) -> NpyRows:
+    """One modality's embeddings read in spans as float32 (build jobs: see NpyRows)."""
+    path = embedding_path(vdir, name)
+    if path.suffix == COMPACT_SUFFIX:
+        return NpyRows(path, fp16_file.layout(path))
+    return NpyRows(path)
 
 
 def load_rows(vdir: Path, names: list[str], mmap: bool = True) -> StoredRows:
     """Memory-mapped for serving; plain chunked reads for build jobs (see NpyRows)."""
     embeddings: dict[str, Any] = {
-        n: np.load(embedding_path(vdir, n), mmap_mode="r")
-        if mmap
-        else NpyRows(embedding_path(vdir, n))
-        for n in names
+        n: map_embeddings(vdir, n) if mmap else read_embeddings(vdir, n) for n in names
     }
     store = RecordStore(vdir, names)
     presence = store.presence if mmap else np.array(store.presence)
@@ -77,9 +104,7 @@ def load_rows(vdir: Path, names: list[str], mmap: bool = True) -> StoredRows:
 def mapped_rows(vdir: Path, stored: StoredRows) -> StoredRows:
     """The version's embeddings memory-mapped, as the server reads them: re-ranking is timed
     (indexer.tune) and run (measure_recall) on the path that serves it."""
-    embeddings = {
-        n: np.load(vdir / artifact.EMBEDDINGS / f"{n}.npy", mmap_mode="r") for n in stored.names
-    }
+    embeddings = {n: map_embeddings(vdir, n) for n in stored.names}
     return StoredRows(stored.names, embeddings, stored.presence)
 
 

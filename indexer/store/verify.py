@@ -6,8 +6,9 @@ a build publishes.
   checks every array's shape against the manifest;
 - full: every checksum, the record store's internal consistency (ids hash to their index
   entries, payloads are JSON objects), each view holds exactly the rows that have its target
-  modalities, and each flat view's vectors equal the products recomputed from the stored
-  embeddings.
+  modalities, and each flat view's vectors (a compact version's float16 views too) equal the
+  products recomputed from the stored embeddings; a compact version's codes are checked by
+  their checksums.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from indexer.search.specs import IndexSpec
-from indexer.store import artifact
+from indexer.store import artifact, fp16_file
 from indexer.store.arrays import NpyRows
 from indexer.store.recordstore import RecordStore, id_hash_of
 from indexer.store.rows import CHUNK, StoredRows, embedding_path, load_rows
@@ -102,10 +103,19 @@ def _view_problems(vdir: Path, names: list[str], manifest: dict[str, Any]) -> li
         if not np.array_equal(rows, expected):
             problems.append(f"view {name}: rows differ from the records that have {target}")
             continue
-        if not IndexSpec.from_dict(entry["spec"]).exact:
+        spec = IndexSpec.from_dict(entry["spec"])
+        if spec.kind == "fp16":  # a compact version's float16 view (indexer.build.compact)
+            path = vdir / artifact.VIEWS / f"{name}.faiss"
+            try:
+                vectors = NpyRows(path, fp16_file.layout(path))
+            except fp16_file.Fp16FileError as exc:
+                problems.append(f"view {name}: {exc}")
+                continue
+        elif not spec.exact:
             continue
-        path = vdir / artifact.VIEWS / f"{name}.npy"
-        vectors = NpyRows(path)
+        else:
+            path = vdir / artifact.VIEWS / f"{name}.npy"
+            vectors = NpyRows(path)
         if vectors.shape[0] != len(rows):
             problems.append(f"view {name}: {vectors.shape[0]} vectors for {len(rows)} rows")
             continue

@@ -17,11 +17,11 @@ from typing import Any
 import faiss
 import numpy as np
 
-from indexer.search.specs import IndexSpec, set_search_params
+from indexer.search.specs import FLAT_CODE_KINDS, IndexSpec, set_search_params
 from indexer.search.view import View
-from indexer.store import artifact
+from indexer.store import artifact, fp16_file
 from indexer.store.recordstore import RecordStore, RecordStoreError, id_hash_of
-from indexer.store.rows import StoredRows, embedding_path, factor_chunks
+from indexer.store.rows import StoredRows, embedding_path, factor_chunks, map_embeddings
 from models.checkpoint import fingerprint
 from models.heads import build_head
 
@@ -71,11 +71,18 @@ class LoadedVersion:
                 )
 
     def _embeddings(self, name: str, count: int) -> np.ndarray:
-        arr = np.load(embedding_path(self.path, name), mmap_mode="r")
+        path = embedding_path(self.path, name)
+        rel = path.relative_to(self.path)
+        want = np.float16 if is_compact(self.manifest) else np.float32
+        try:
+            arr = map_embeddings(self.path, name)
+        except fp16_file.Fp16FileError as exc:
+            raise artifact.ArtifactError(str(exc)) from None
         d = int(self.manifest["d"])
-        if arr.shape != (count, d):
+        if arr.shape != (count, d) or arr.dtype != want:
             raise artifact.ArtifactError(
-                f"{self.path}: embeddings/{name}.npy has shape {arr.shape}, expected ({count}, {d})"
+                f"{self.path}: {rel} holds {arr.dtype} {arr.shape}, expected "
+                f"{np.dtype(want)} ({count}, {d})"
             )
         return arr
 
@@ -91,7 +98,10 @@ class LoadedVersion:
             view.vectors = np.load(base / f"{name}.npy", mmap_mode="c" if mmap else None)
             held = view.vectors.shape
         else:
-            view.index = faiss.read_index(str(base / f"{name}.faiss"))
+            path = base / f"{name}.faiss"
+            # flat codes stay memory-mapped, their pages shared between workers and versions
+            flag = faiss.IO_FLAG_MMAP_IFC if mmap and spec.kind in FLAT_CODE_KINDS else 0
+            view.index = faiss.read_index(str(path), flag)
             set_search_params(view.index, spec)
             view.max_norm = float(entry["augment"]["max_norm"])
             view.width = int(entry["augment"]["width"])
@@ -123,6 +133,11 @@ class LoadedVersion:
             n: np.asarray(self.stored.embeddings[n][row]).tolist()
             for n in self.records.modalities(row)
         }
+
+
+def is_compact(manifest: dict[str, Any]) -> bool:
+    """A compact version: float16 embeddings, product views as codes (docs/design.md §5)."""
+    return bool(manifest.get("compact"))
 
 
 def built_by(manifest: dict[str, Any], model_dir: Path | None, hint: str = "") -> Path:

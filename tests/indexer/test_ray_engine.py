@@ -155,6 +155,18 @@ def test_ray_build_equals_local_build(tmp_path: Path, ray_address: str, layout: 
     assert by_ray.manifest["engine"]["name"] == "ray"
 
 
+def test_ray_compact_build_equals_local_compact_build(tmp_path: Path, ray_address: str) -> None:
+    """--compact is the publish's business, after either engine wrote the rows."""
+    records = write_jsonl(tmp_path / "r.jsonl", records_with_gaps(300))
+    model = make_model_dir(tmp_path / "m")
+    assert index_build(model, records, tmp_path / "local", "--compact") == 0
+    assert ray_build(model, records, tmp_path / "ray", "--compact") == 0
+    local, by_ray = loaded(tmp_path / "local"), loaded(tmp_path / "ray")
+    assert_same_version(local, by_ray)
+    assert by_ray.manifest["compact"] == local.manifest["compact"]
+    assert all(e.dtype == np.float16 for e in by_ray.stored.embeddings.values())
+
+
 def test_small_blocks_and_duplicates_across_shards(tmp_path: Path, ray_address: str) -> None:
     """Blocks of 16 records: a duplicate id lands in another shard than its first occurrence,
     and a bad record's id is taken by a later one."""

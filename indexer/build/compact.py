@@ -1,0 +1,204 @@
+"""Compact versions (docs/design.md §5, "Compact versions"): the staged float32 embeddings
+become float16 files that FAISS searches as they are (indexer.store.fp16_file), and every view
+is stored as codes or float16, never as float32 vectors.
+
+- A view whose record factor is one modality's embedding as it is (H-CLIP's and Symile's views
+  that query all modalities but one) searches the float16 embeddings exactly: a hard link to
+  embeddings/<modality>.faiss when every record has that modality, else a float16 file of its
+  own rows (`"stores": "float16"`).
+- Any other view (a product of embeddings, or a sum-of-pairs factor) is stored only as FAISS
+  codes, `sq8` by default (8-bit scalar codes, a flat scan), or `ivfsq` / `ivfpq`, and every
+  search re-ranks its best k * rerank candidates exactly from the float16 embeddings
+  (indexer.search.ann.rerank; `"stores": "codes:SQ8"`).
+
+The codes follow a fixed rule: `sq8:rerank=10` unless --spec names other codes; with
+`auto[:recall=R]`, sq8 with each view's re-ranking depth measured for R. At
+a quarter of float32's bytes it kept recall@10 at 0.998 to 1.000 against float32 exact search
+through the API (benchmarks/bench_compact.py, 20k records x 3 x 128); each build measures and
+records the recall it gets (`recall_at_10`), as for any approximate view.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import faiss
+import numpy as np
+from faiss.contrib.exhaustive_search import knn_ground_truth
+
+from indexer.build.options import JobOptions
+from indexer.build.views import RECALL_QUERIES, build_view, sample_queries
+from indexer.search.mips import max_norm as norm_of
+from indexer.search.specs import IndexSpec, SpecError
+from indexer.store import artifact
+from indexer.store.arrays import NpyRows
+from indexer.store.fp16_file import Fp16Appender
+from indexer.store.rows import (
+    CHUNK,
+    StoredRows,
+    compact_embedding_path,
+    exact_vectors_of,
+    factor_chunks,
+    mapped_rows,
+)
+from indexer.tune import rerank_depth
+from models.heads import Head, split_modalities, view_name
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CODES = IndexSpec("sq8", {"rerank": 10})
+CODE_KINDS = ("sq8", "ivfsq", "ivfpq")  # kinds that store codes and re-rank exactly
+STORES = {"sq8": "codes:SQ8", "ivfsq": "codes:IVF-SQ8", "ivfpq": "codes:IVF-PQ", "fp16": "float16"}
+
+
+def codes_spec(spec: IndexSpec) -> IndexSpec:
+    """The spec of a compact version's product views: `flat` (the default) means sq8 with its
+    default re-ranking depth; `auto[:recall=R]` (or an sq8 picked for R before: an update
+    measures again) sq8 with each view's depth measured for R (indexer.tune.rerank_depth); a
+    kind that would store float32 vectors is refused."""
+    if spec.exact and not spec.tuned:
+        return DEFAULT_CODES
+    if spec.tuned and spec.kind in ("auto", "sq8"):
+        if spec.params.get("batch"):
+            raise SpecError("--compact: --spec auto takes recall=R only (it picks sq8's rerank)")
+        return IndexSpec("auto", {}, spec.target_recall)
+    if spec.kind in CODE_KINDS and not spec.tuned:
+        if not spec.params.get("rerank"):
+            raise SpecError(f"--compact: --spec {spec} must re-rank (rerank=R with R >= 1)")
+        return spec
+    raise SpecError(
+        f"--compact: --spec {spec.kind} is not supported (it would store float32 vectors); use "
+        "sq8[:rerank=R] (the default), auto[:recall=R] (sq8, its rerank measured), ivfsq[...] "
+        "or ivfpq[...]"
+    )
+
+
+def check_options(opts: JobOptions, milvus: bool = False) -> None:
+    """One line naming the option for what a compact job cannot do; `milvus`: the views
+    would go to Milvus (--backend milvus, or the root's backend)."""
+    if not opts.compact:
+        return
+    if milvus or opts.backend == "milvus":
+        raise SpecError(
+            "--compact: not supported with --backend milvus (Milvus keeps its own copy of "
+            "every vector); build a compact version on the faiss backend"
+        )
+    opts.spec = codes_spec(opts.spec)
+
+
+def halve_embeddings(stage: Path, names: Sequence[str]) -> None:
+    """Each staged embeddings/<m>.npy (float32) rewritten as embeddings/<m>.faiss (float16,
+    rounded to nearest), a chunk at a time; the float32 file is removed."""
+    for name in names:
+        src = stage / artifact.EMBEDDINGS / f"{name}.npy"
+        rows = NpyRows(src)
+        with Fp16Appender(compact_embedding_path(stage, name), rows.shape[1]) as out:
+            for start in range(0, rows.shape[0], CHUNK):
+                out.append(rows[np.arange(start, min(start + CHUNK, rows.shape[0]))])
+        src.unlink()
+
+
+def build_views(
+    stage: Path, head: Head, stored: StoredRows, queries: Sequence[Sequence[str]], spec: IndexSpec
+) -> list[dict[str, Any]]:
+    """Every view's manifest entry, in order, each with what it `stores`."""
+    entries = []
+    for query in queries:
+        q, t = split_modalities(head.names, query)
+        rows = stored.rows_with(t)
+        if len(rows) == 0 or _is_embedding(head, stored, rows, t):
+            entry = _float16_view(stage, head, stored, q, t, rows)
+        elif spec.kind == "auto":
+            assert spec.target_recall is not None
+            entry = _tuned_codes(stage, head, stored, q, spec.target_recall)
+        else:
+            entry = build_view(stage, head, stored, q, spec)
+            entry["stores"] = STORES[spec.kind]
+        log.info("view %s stores %s", view_name(q), entry["stores"])
+        entries.append(entry)
+    return entries
+
+
+def _is_embedding(head: Head, stored: StoredRows, rows: np.ndarray, t: tuple[str, ...]) -> bool:
+    """The head's record factor of these rows is one modality's embeddings as they are (the
+    head's algebra, shown on the first chunk: it holds for every row or none)."""
+    if len(t) != 1 or head.factor_dim != stored.embeddings[t[0]].shape[1]:
+        return False
+    first = rows[:CHUNK]
+    factor = next(factor_chunks(head, stored, first, t, "record"))
+    return bool(np.array_equal(factor, np.asarray(stored.embeddings[t[0]][first], np.float32)))
+
+
+def _float16_view(
+    stage: Path,
+    head: Head,
+    stored: StoredRows,
+    q: tuple[str, ...],
+    t: tuple[str, ...],
+    rows: np.ndarray,
+) -> dict[str, Any]:
+    """A view searched exactly over float16 rows: the embeddings file itself (a hard link)
+    when the view holds every record, else a file of its own rows' float16 factors."""
+    name = view_name(q)
+    np.save(stage / artifact.VIEWS / f"{name}.rows.npy", rows)
+    path = stage / artifact.VIEWS / f"{name}.faiss"
+    if len(rows) and len(rows) == stored.count:
+        os.link(compact_embedding_path(stage, t[0]), path)
+    else:
+        with Fp16Appender(path, head.factor_dim) as out:
+            for xb in factor_chunks(head, stored, rows, t, "record"):
+                out.append(xb)  # float16 values widened, so narrowed back exactly
+    chunks = factor_chunks(head, stored, rows, t, "record")
+    norm = max((norm_of(xb) for xb in chunks), default=0.0)
+    return {
+        "query": list(q),
+        "target": list(t),
+        "count": len(rows),
+        "dim": head.factor_dim,
+        "spec": IndexSpec("fp16").to_dict(),
+        "recall_at_10": 1.0,
+        "augment": {"max_norm": norm, "width": head.factor_dim},
+        "stores": STORES["fp16"],
+    }
+
+
+def _tuned_codes(
+    stage: Path, head: Head, stored: StoredRows, q: tuple[str, ...], target: float
+) -> dict[str, Any]:
+    """An sq8 view whose re-ranking depth is the smallest that keeps recall@10 >= target on
+    sampled queries (indexer.tune.rerank_depth), checked on others."""
+    deepest = IndexSpec("sq8", {"rerank": rerank_depth.DEPTHS[-1]})
+    entry = build_view(stage, head, stored, q, deepest)  # the codes are the same at any depth
+    _, t = split_modalities(head.names, q)
+    rows = stored.rows_with(t)
+    index = faiss.read_index(str(stage / artifact.VIEWS / f"{view_name(q)}.faiss"))
+    queries = sample_queries(head, stored, q, 2 * RECALL_QUERIES, seed=1)
+    tune_q, check_q = queries[0::2], queries[1::2]
+
+    def truth_of(xq: np.ndarray) -> np.ndarray:
+        chunks = factor_chunks(head, stored, rows, t, "record")
+        _, idx = knn_ground_truth(xq, chunks, rerank_depth.K, faiss.METRIC_INNER_PRODUCT)
+        return np.asarray(idx)
+
+    exact = exact_vectors_of(head, mapped_rows(stage, stored), rows, t)
+    choice = rerank_depth.choose_depth(index, "sq8", tune_q, check_q, truth_of, exact, target)
+    entry["spec"] = IndexSpec("sq8", {"rerank": choice.depth}, target).to_dict()
+    entry["recall_at_10"] = round(choice.recall, 4)
+    entry["tuning"] = choice.report(target)
+    entry["stores"] = STORES["sq8"]
+    log.info("view %s: sq8 re-ranked %d deep: recall@10 %.3f (target %s)",
+             view_name(q), choice.depth, choice.recall, target)  # fmt: skip
+    return entry
+
+
+def manifest_block(spec: IndexSpec) -> dict[str, Any]:
+    """The manifest's `compact`: what the embeddings and the product views store (with `auto`,
+    each view's spec has its own depth)."""
+    if spec.kind == "auto":
+        return {"embeddings": "float16", "codes": f"auto:recall={spec.target_recall}",
+                "rerank": None}  # fmt: skip
+    return {"embeddings": "float16", "codes": str(spec), "rerank": int(spec.params["rerank"])}
