@@ -11,8 +11,10 @@ is stored as codes or float16, never as float32 vectors.
   search re-ranks its best k * rerank candidates exactly from the float16 embeddings
   (indexer.search.ann.rerank; `"stores": "codes:SQ8"`).
 
-The codes follow a fixed rule: `sq8:rerank=10` unless --spec names other codes; with
-`auto[:recall=R]`, sq8 with each view's re-ranking depth measured for R. At
+The codes follow a fixed rule: `sq8:rerank=10` unless --spec names other codes. With
+`auto[:recall=R]`, the tuner (indexer.tune) measures inverted files of codes (IVF-SQ8, IVF-PQ,
+re-ranked exactly) against flat search as for a full version, and keeps the fastest that holds
+R; where none is fast enough, the view is sq8 with its re-ranking depth measured for R. At
 a quarter of float32's bytes it kept recall@10 at 0.998 to 1.000 against float32 exact search
 through the API (benchmarks/bench_compact.py, 20k records x 3 x 128); each build measures and
 records the recall it gets (`recall_at_10`), as for any approximate view.
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,33 +49,35 @@ from indexer.store.rows import (
     mapped_rows,
 )
 from indexer.tune import rerank_depth
+from indexer.tune.tuner import TuneOptions
 from models.heads import Head, split_modalities, view_name
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CODES = IndexSpec("sq8", {"rerank": 10})
 CODE_KINDS = ("sq8", "ivfsq", "ivfpq")  # kinds that store codes and re-rank exactly
+# What `auto` measures on a compact version's product views: the tuner's families of codes
+TUNING = TuneOptions(families=("ivfsq", "ivfpq"))
 STORES = {"sq8": "codes:SQ8", "ivfsq": "codes:IVF-SQ8", "ivfpq": "codes:IVF-PQ", "fp16": "float16"}
 
 
 def codes_spec(spec: IndexSpec) -> IndexSpec:
     """The spec of a compact version's product views: `flat` (the default) means sq8 with its
-    default re-ranking depth; `auto[:recall=R]` (or an sq8 picked for R before: an update
-    measures again) sq8 with each view's depth measured for R (indexer.tune.rerank_depth); a
+    default re-ranking depth; `auto[:recall=R,batch=B]` (or codes picked for R before, or a
+    flat view kept for R: an update measures again) the tuner's pick for R among codes; a
     kind that would store float32 vectors is refused."""
     if spec.exact and not spec.tuned:
         return DEFAULT_CODES
-    if spec.tuned and spec.kind in ("auto", "sq8"):
-        if spec.params.get("batch"):
-            raise SpecError("--compact: --spec auto takes recall=R only (it picks sq8's rerank)")
-        return IndexSpec("auto", {}, spec.target_recall)
+    if spec.tuned and spec.kind in ("auto", "flat", *CODE_KINDS):
+        batch = spec.params.get("batch") if spec.kind == "auto" else None
+        return IndexSpec("auto", {"batch": batch} if batch else {}, spec.target_recall)
     if spec.kind in CODE_KINDS and not spec.tuned:
         if not spec.params.get("rerank"):
             raise SpecError(f"--compact: --spec {spec} must re-rank (rerank=R with R >= 1)")
         return spec
     raise SpecError(
         f"--compact: --spec {spec.kind} is not supported (it would store float32 vectors); use "
-        "sq8[:rerank=R] (the default), auto[:recall=R] (sq8, its rerank measured), ivfsq[...] "
+        "sq8[:rerank=R] (the default), auto[:recall=R] (codes picked for R), ivfsq[...] "
         "or ivfpq[...]"
     )
 
@@ -113,8 +118,7 @@ def build_views(
         if len(rows) == 0 or _is_embedding(head, stored, rows, t):
             entry = _float16_view(stage, head, stored, q, t, rows)
         elif spec.kind == "auto":
-            assert spec.target_recall is not None
-            entry = _tuned_codes(stage, head, stored, q, spec.target_recall)
+            entry = _tuned_codes(stage, head, stored, q, spec)
         else:
             entry = build_view(stage, head, stored, q, spec)
             entry["stores"] = STORES[spec.kind]
@@ -167,10 +171,35 @@ def _float16_view(
 
 
 def _tuned_codes(
-    stage: Path, head: Head, stored: StoredRows, q: tuple[str, ...], target: float
+    stage: Path, head: Head, stored: StoredRows, q: tuple[str, ...], spec: IndexSpec
+) -> dict[str, Any]:
+    """The tuner's pick among inverted files of codes (the float32 vectors it measures flat
+    search on are dropped); where none serves MIN_SPEEDUP times flat search at the target,
+    sq8 with its depth chosen for the target."""
+    assert spec.target_recall is not None
+    tuning = TUNING
+    if spec.params.get("batch"):
+        tuning = replace(tuning, served_batch=int(spec.params["batch"]))
+    entry = build_view(stage, head, stored, q, spec, tuning)
+    picked = IndexSpec.from_dict(entry["spec"])
+    if picked.kind in CODE_KINDS:
+        entry["stores"] = STORES[picked.kind]
+        return entry
+    (stage / artifact.VIEWS / f"{view_name(q)}.npy").unlink(missing_ok=True)
+    return _sq8_at_depth(stage, head, stored, q, spec.target_recall, entry.get("tuning"))
+
+
+def _sq8_at_depth(
+    stage: Path,
+    head: Head,
+    stored: StoredRows,
+    q: tuple[str, ...],
+    target: float,
+    tuner_report: dict[str, Any] | None,
 ) -> dict[str, Any]:
     """An sq8 view whose re-ranking depth is the smallest that keeps recall@10 >= target on
-    sampled queries (indexer.tune.rerank_depth), checked on others."""
+    sampled queries (indexer.tune.rerank_depth), checked on others; `tuner_report`: why no
+    inverted file was picked."""
     deepest = IndexSpec("sq8", {"rerank": rerank_depth.DEPTHS[-1]})
     entry = build_view(stage, head, stored, q, deepest)  # the codes are the same at any depth
     _, t = split_modalities(head.names, q)
@@ -189,6 +218,8 @@ def _tuned_codes(
     entry["spec"] = IndexSpec("sq8", {"rerank": choice.depth}, target).to_dict()
     entry["recall_at_10"] = round(choice.recall, 4)
     entry["tuning"] = choice.report(target)
+    if tuner_report is not None:
+        entry["tuning"]["inverted_files"] = tuner_report
     entry["stores"] = STORES["sq8"]
     log.info("view %s: sq8 re-ranked %d deep: recall@10 %.3f (target %s)",
              view_name(q), choice.depth, choice.recall, target)  # fmt: skip

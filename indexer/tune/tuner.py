@@ -509,7 +509,8 @@ class Tuner:
                 first_meet = p
             if p.recall - p.recall_se >= stop:
                 break
-            if max(p.speedup_single, p.speedup_batch) < 1.0:
+            # (min_speedup 0 keeps a structure slower than flat search: a test's small view)
+            if max(p.speedup_single, p.speedup_batch) < min(1.0, self.min_speedup):
                 why = f"slower than flat search, alone and in batches, from effort {e} on"
                 break
             recalls.append(p.recall)

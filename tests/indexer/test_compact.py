@@ -285,6 +285,56 @@ def test_auto_picks_each_views_smallest_rerank_depth_for_the_target(corpus, tmp_
     assert again["views"]["a"]["spec"]["target_recall"] == 0.999 and "tuning" in again["views"]["a"]
 
 
+def test_auto_keeps_the_tuners_inverted_file_of_codes_and_no_float32(tmp_path, monkeypatch) -> None:
+    """`--compact --spec auto`: the tuner measures inverted files of codes (IVF-SQ8, IVF-PQ) as
+    for a full version; its pick is stored as codes only, re-ranked from the float16
+    embeddings, at the target on queries the tuner did not see. Where none is fast enough, the
+    view is sq8 at its measured depth, and its tuning says why no inverted file was kept."""
+    from dataclasses import replace
+
+    from indexer.build import compact
+
+    write_jsonl(tmp_path / "r.jsonl", vector_records(3000, DIMS, seed=4, k=400))
+    model = make_model_dir(tmp_path / "m")
+    # min_speedup 0: the fastest codes that meet the target, even where flat search is faster
+    # at this size, so that an inverted file is what gets tested
+    monkeypatch.setattr(compact, "TUNING", replace(compact.TUNING, min_speedup=0.0, timing_s=0.02))
+    root = tmp_path / "ivf"
+    spec = ("--compact", "--spec", "auto:recall=0.9,batch=8", "--views", "a,b+c")
+    assert index_build(model, tmp_path / "r.jsonl", root, *spec) == 0
+    v = LoadedVersion(artifact.current_version_dir(root))
+    entry = v.manifest["views"]["a"]
+    assert entry["spec"]["kind"] in ("ivfsq", "ivfpq") and entry["spec"]["target_recall"] == 0.9
+    assert (
+        entry["stores"]
+        == {"ivfsq": "codes:IVF-SQ8", "ivfpq": "codes:IVF-PQ"}[entry["spec"]["kind"]]
+    )
+    assert {p["family"] for p in entry["tuning"]["frontier"]} <= {"flat", "ivfsq", "ivfpq"}
+    assert entry["tuning"]["served_batch"] == 8
+    assert not list((v.path / "views").glob("*.npy")) or all(
+        f.name.endswith(".rows.npy") for f in (v.path / "views").glob("*.npy")
+    )  # no float32 vectors
+    queries = np.concatenate(
+        list(factor_chunks(v.head, v.stored, np.arange(2000, 2100), ["a"], "query"))
+    )
+    truth = _exact_top(v, "a", queries, 10)
+    _, found = v.views["a"].search(queries, 10)
+    assert np.mean([len(set(a) & set(b)) for a, b in zip(truth, found, strict=True)]) >= 9.0
+    assert verify(v.path) == []
+
+    # nothing fast enough: sq8 at the depth measured for the target
+    monkeypatch.setattr(compact, "TUNING", replace(compact.TUNING, min_speedup=1e6))
+    (tmp_path / "none.txt").write_text("nobody\n")
+    # deleting nobody publishes nothing; naming the views makes a new version
+    assert run_cli("index", "update", "--root", root, "--delete", tmp_path / "none.txt",
+                   "--views", "a,b+c", "--quiet") == 0  # fmt: skip
+    again = LoadedVersion(artifact.current_version_dir(root))
+    entry = again.manifest["views"]["a"]
+    assert entry["spec"]["kind"] == "sq8" and entry["spec"]["target_recall"] == 0.9
+    assert entry["stores"] == "codes:SQ8" and "why" in entry["tuning"]["inverted_files"]
+    assert verify(again.path) == []
+
+
 def test_sum_of_pairs_compact_views_are_all_codes(tmp_path: Path) -> None:
     """A head whose one-modality factor is not the embedding keeps no float view at all."""
     write_jsonl(tmp_path / "r.jsonl", vector_records(200, DIMS, seed=1, k=200))
@@ -308,7 +358,6 @@ def test_sum_of_pairs_compact_views_are_all_codes(tmp_path: Path) -> None:
     [
         (("--compact", "--spec", "hnsw"), "--compact: --spec hnsw is not supported"),
         (("--compact", "--spec", "ivf"), "--compact: --spec ivf is not supported"),
-        (("--compact", "--spec", "auto:batch=4"), "--compact: --spec auto takes recall=R only"),
         (("--compact", "--spec", "sq8:rerank=0"), "--compact: --spec sq8:rerank=0 must re-rank"),
         (("--compact", "--backend", "milvus"), "--compact: not supported with --backend milvus"),
         (("--spec", "fp16"), "--spec: unknown index kind 'fp16'"),
