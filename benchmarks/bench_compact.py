@@ -3,6 +3,12 @@ figures; it is not a test. Do not run it at full size on a shared machine.
 
     python benchmarks/bench_compact.py [--records 1000000] [--dim 128] [--queries 200]
                                        [--seconds 8] [--workers 2] [--work DIR]
+                                       [--compact-spec SPEC ...] [--build-only]
+
+With --work, records and versions already there are kept (a build interrupted leaves no root):
+build once (--build-only, on a busy machine if need be), then serve and measure on a quiet one.
+Each --compact-spec (default `sq8:rerank=10`, the --compact default; `auto:recall=0.95` runs the
+tuner) is one more compact version of the same records, served in turn with the full one.
 
 N records of three `vector` modalities (d-wide features, an untrained d-wide H-CLIP model: its
 embeddings are what a version stores; records drawn around 1,000 topics so that neighbours
@@ -86,6 +92,9 @@ def make_model(path: Path, dim: int) -> None:
 
 def build(work: Path, name: str, *extra: str) -> Path:
     root = work / name
+    if (root / "CURRENT").is_file():
+        print(f"kept {name} (built before)", flush=True)
+        return root
     shutil.rmtree(root, ignore_errors=True)
     cmd = [sys.executable, "-m", "app.cli", "index", "build", "--model", str(work / "model"),
            "--records", str(work / "records.jsonl"), "--root", str(root), "--quiet",
@@ -234,13 +243,23 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=8791)
     p.add_argument("--work", type=Path, help="keep records and versions here (default: a temp)")
+    p.add_argument("--compact-spec", action="append", help="a compact version's --spec")
+    p.add_argument("--build-only", action="store_true", help="make records and versions only")
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-compact-"))
     work.mkdir(parents=True, exist_ok=True)
-    write_records(work / "records.jsonl", args.records, args.dim, seed=0)
-    make_model(work / "model", args.dim)
+    if not (work / "records.jsonl").is_file():
+        write_records(work / "records.tmp", args.records, args.dim, seed=0)
+        (work / "records.tmp").rename(work / "records.jsonl")  # whole, or not there
+    if not (work / "model").is_dir():
+        make_model(work / "model", args.dim)
     full_root = build(work, "full")
-    compact_root = build(work, "compact", "--compact")
+    roots = {"full": full_root}
+    for spec in args.compact_spec or ["sq8:rerank=10"]:
+        name = f"compact[{spec}]"
+        roots[name] = build(work, name.replace(":", "_"), "--compact", "--spec", spec)
+    if args.build_only:
+        return
 
     from indexer.store import artifact
 
@@ -251,35 +270,34 @@ def main() -> None:
         xq = query_factors(work, view, embs)
         want, full = truth(full_root, view, xq)
         ref[view] = (xq, want, full)
-    sizes = {name: disk_bytes(artifact.current_version_dir(root))
-             for name, root in (("full", full_root), ("compact", compact_root))}  # fmt: skip
-    figures = {
-        name: serve_and_measure(root, args, args.port, embs, ref)
-        for name, root in (("full", full_root), ("compact", compact_root))
-    }
-    report(args, sizes, figures)
+    sizes = {name: disk_bytes(artifact.current_version_dir(root)) for name, root in roots.items()}
+    figures = {name: serve_and_measure(root, args, args.port, embs, ref)
+               for name, root in roots.items()}  # fmt: skip
+    for name in roots:
+        if name != "full":
+            report(args, name, sizes, figures)
+    print("\n" + json.dumps({"sizes": sizes, "figures": figures}))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def report(args: argparse.Namespace, sizes: dict, figures: dict) -> None:
-    full, comp = sizes["full"], sizes["compact"]
-    print(f"\n{args.records} records x 3 modalities, d = {args.dim}, {args.queries} held-out "
-          f"queries a view, {args.workers} workers")  # fmt: skip
+def report(args: argparse.Namespace, name: str, sizes: dict, figures: dict) -> None:
+    full, comp = sizes["full"], sizes[name]
+    print(f"\n{name} against full: {args.records} records x 3 modalities, d = {args.dim}, "
+          f"{args.queries} held-out queries a view, {args.workers} workers")  # fmt: skip
     print(f"{'bytes on disk':<24}{'full':>16}{'compact':>16}{'ratio':>8}")
     for key in ("total", "vectors"):
         print(f"{key:<24}{full[key]:>16,}{comp[key]:>16,}{comp[key] / full[key]:>8.3f}")
     head = f"{'view':<12}{'recall@10 full':>16}{'compact':>10}"
     print(f"\n{head}{'max rel err full':>18}{'compact':>10}")
     for view, f in figures["full"]["views"].items():
-        c = figures["compact"]["views"][view]
+        c = figures[name]["views"][view]
         print(f"{view:<12}{f['recall@10']:>16.3f}{c['recall@10']:>10.3f}"
               f"{f['max_rel_score_error']:>18.2e}{c['max_rel_score_error']:>10.2e}")  # fmt: skip
     print(f"\n{'32 connections':<16}{'full q/s':>10}{'p50 ms':>8}{'compact q/s':>13}{'p50 ms':>8}")
     for view in LOADS:
-        f, c = figures["full"]["served_32"][view], figures["compact"]["served_32"][view]
+        f, c = figures["full"]["served_32"][view], figures[name]["served_32"][view]
         print(f"{view:<16}{f['qps']:>10.1f}{f['p50_ms']:>8.1f}{c['qps']:>13.1f}{c['p50_ms']:>8.1f}")
-    print("\n" + json.dumps({"sizes": sizes, "figures": figures}))
 
 
 if __name__ == "__main__":

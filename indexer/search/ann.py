@@ -70,13 +70,13 @@ def search(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(scores, positions), (nq, k), best first; positions of -1 (score -inf) where the index
     found fewer than k. `effort` overrides the spec's ef_search or nprobe for this call."""
-    depth = rerank_depth(spec)
-    fetch = k * depth if depth and exact_vectors is not None else k
+    depth = rerank_depth(spec) if exact_vectors is not None else 0
+    fetch = k * depth if depth else k
     if spec.kind == "hnsw" and effort_used(spec, effort, k) != spec.effort:
         effort = effort_used(spec, effort, k)  # else the index's own ef_search is the one
     params = search_params(index, spec, effort, allowed)
     dist, pos = index.search(mips.pad_queries(xq, width), fetch, params=params)
-    if fetch == k:
+    if not depth:  # rerank=1 still re-scores: a compact version's scores are always exact
         ip = spec.kind in INNER_PRODUCT_KINDS
         scores = dist if ip else mips.inner_products(xq, dist, max_norm)
         return np.where(pos >= 0, scores, -np.inf).astype(np.float32), pos

@@ -167,6 +167,19 @@ def test_rerank_factor_sets_the_candidates_and_scores_stay_exact(corpus) -> None
         ann.use_rerank_factor(-1)
 
 
+def test_a_depth_of_one_still_rescores_every_result(corpus) -> None:
+    """rerank=1 fetches k candidates and re-scores them all: the codes' own approximate
+    scores never come back (the tuner's depth choice may pick 1)."""
+    comp = _built(corpus, "compact-depth-1", "--compact", "--spec", "sq8:rerank=1")
+    view = comp.views["a"]
+    xq = _queries(comp, corpus[0], "a")
+    scores, rows = view.search(xq, 10)
+    for q in range(len(xq)):
+        want = _float16_scores(comp, view.target, xq[q : q + 1], rows[q])[0]
+        assert np.allclose(scores[q], want, rtol=1e-5, atol=1e-6)
+        assert np.all(np.diff(scores[q]) <= 0)  # ordered by the exact scores
+
+
 def test_update_and_rollback_across_full_and_compact(corpus, tmp_path: Path) -> None:
     model, records, _ = corpus
     root = tmp_path / "root"
