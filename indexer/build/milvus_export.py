@@ -89,8 +89,8 @@ class _Writer:
         """A new collection with its index, not loaded yet (finish() loads it)."""
         index = self.client.prepare_index_params()
         index.add_index(field_name=field, index_type=kind, metric_type="IP", params=params)
-        if self.call("has_collection", name):
-            self.call("drop_collection", name)  # a dead run's, of this same version id
+        if self.call("has_collection", name):  # a dead run's, of this same version id
+            milvus.drop_collection(self.client, self.target.uri, self.target.timeout_s, name)
         self.call("create_collection", name, schema=schema, num_shards=self.target.shards)
         self.created.append(name)
         self.call("create_index", name, index)
@@ -116,7 +116,7 @@ class _Writer:
     def drop_created(self) -> None:
         for name in self.created:
             try:
-                self.client.drop_collection(name, timeout=self.target.timeout_s)
+                milvus.drop_collection(self.client, self.target.uri, self.target.timeout_s, name)
             except Exception as exc:  # the next job's clean-up drops what is left
                 log.warning("could not drop Milvus collection %s: %s", name, exc)
 

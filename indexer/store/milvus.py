@@ -133,7 +133,7 @@ def drop_unpublished(root: Path, timeout_s: float = 60.0) -> list[str]:
         found = _VERSION_PART.match(name[len(prefix) :])
         if found is None or found.group("version") in kept:
             continue
-        call(client, uri, timeout_s, "drop_collection", name)
+        drop_collection(client, uri, timeout_s, name)
         dropped.append(name)
     if dropped:
         log.warning("dropped Milvus collections no published version names: %s", ", ".join(dropped))
@@ -147,7 +147,16 @@ def drop_version(block: Mapping[str, Any], timeout_s: float = 60.0) -> None:
     names = [block["records"], *(v["collection"] for v in block["views"].values())]
     for name in names:
         if call(client, uri, timeout_s, "has_collection", name):
-            call(client, uri, timeout_s, "drop_collection", name)
+            drop_collection(client, uri, timeout_s, name)
+
+
+def drop_collection(client: Any, uri: str, timeout_s: float, name: str) -> None:
+    """Drop a collection and first the aliases that name it: Milvus 2.5 refuses to drop a
+    collection an alias names, 2.3 drops its aliases with it."""
+    found = call(client, uri, timeout_s, "list_aliases", name)
+    for alias in found["aliases"] if isinstance(found, dict) else found:
+        call(client, uri, timeout_s, "drop_alias", alias)
+    call(client, uri, timeout_s, "drop_collection", name)
 
 
 # -- the client ---------------------------------------------------------------------------------
