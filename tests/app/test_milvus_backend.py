@@ -3,11 +3,8 @@ same answers as the FAISS backend, updates, a replica that holds nothing but the
 swap under load, collections released and dropped, the backend stopped and started again under
 load, a token checked, and a killed build.
 
-Tests that take `milvus` run on Milvus Lite and on Milvus standalone (the real engine, the
-`milvus` package's: benchmarks.milvus_servers), and the token's on a standalone that checks
-tokens; the others (a killed build, a hung, emptied or restarted server, verify, a Lite path)
-test the service's own handling of the client, which the engine does not change: Lite only,
-to keep CI short."""
+Tests taking `milvus` run on Milvus Lite and Milvus standalone (the real engine), the token's
+on standalone; the rest test the service's handling of the client, not the engine: Lite only."""
 
 from __future__ import annotations
 
