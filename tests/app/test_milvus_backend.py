@@ -329,14 +329,23 @@ def test_milvus_stopped_under_load_answers_503_and_the_service_recovers(tmp_path
             assert "Milvus" in body["error"] or "took longer" in body["error"]
 
 
+@pytest.fixture(scope="module")
+def auth_root(tmp_path_factory, milvus_auth) -> tuple[Path, Path, str]:
+    """A root built into the Milvus that checks tokens, with its token: (root, model, version)."""
+    tmp = tmp_path_factory.mktemp("auth")
+    model = make_model_dir(tmp / "model")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(TOKEN_ENV, milvus_auth.token)
+        v1 = build_index(tmp / "root", model, records_v("v1", 100), tmp, "--backend", "milvus",
+                         "--milvus-uri", milvus_auth.uri, "--views", "a")  # fmt: skip
+    return tmp / "root", model, v1
+
+
 def test_a_milvus_that_checks_tokens_takes_the_right_one_and_names_a_wrong_one(
-    tmp_path, milvus_auth, monkeypatch
+    tmp_path, milvus_auth, auth_root, monkeypatch
 ) -> None:
-    model = make_model_dir(tmp_path / "model")
-    root = tmp_path / "root"
+    root, model, v1 = auth_root
     monkeypatch.setenv(TOKEN_ENV, "root:Milvus")
-    v1 = build_index(root, model, records_v("v1", 100), tmp_path, "--backend", "milvus",
-                     "--milvus-uri", milvus_auth.uri, "--views", "a")  # fmt: skip
     body = {"query": {"a": [0.1] * 6}, "k": 3}
     with running(settings_for(root)) as client:
         assert client.get("/readyz").json()["index_version"] == v1
@@ -367,16 +376,25 @@ def test_a_milvus_that_checks_tokens_takes_the_right_one_and_names_a_wrong_one(
         r = client.post("/v1/search", json=body)
         assert r.status_code == 503 and r.json()["error_type"] == "not_ready", r.text
         assert f"it refused the token in {TOKEN_ENV} (UNAUTHENTICATED: " in r.json()["error"]
-    monkeypatch.setenv(TOKEN_ENV, "root:Milvus")
+
+
+def test_milvus_standalone_stopped_is_answered_503_in_the_services_words(
+    milvus_auth, auth_root, monkeypatch
+) -> None:
+    """Stops the module's Milvus that checks tokens: the last of its tests."""
+    root, _, _ = auth_root
+    monkeypatch.setenv(TOKEN_ENV, milvus_auth.token)
+    body = {"query": {"a": [0.1] * 6}, "k": 3}
     with running(settings_for(root, milvus_timeout_s=2.0)) as client:
         assert len(search(client, body)["results"]) == 3
-        milvus_auth.stop()  # the real engine stopped: the service answers in its own words
+        milvus_auth.stop()
         r = client.post("/v1/search", json={"query": {"a": [0.2] * 6}, "k": 3})
         assert r.status_code == 503 and r.headers.get("retry-after"), r.text
         assert r.json()["error_type"] == "backend_unavailable", r.text
         assert (
             r.json()["error"] == "the vector database (Milvus) is unreachable or refused the call"
         )
+        assert client.post("/v1/search", json=body).status_code == 200  # cached still answers
         wait_until(lambda: client.get("/readyz").status_code == 503, 30)
         assert f"Milvus at {milvus_auth.uri}" in client.get("/readyz").json()["error"]
 
