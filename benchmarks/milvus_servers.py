@@ -72,6 +72,13 @@ class Lite:
         )  # fmt: skip
         wait_listening(self.port, self.proc, "milvus-lite server", timeout_s)
 
+    @property
+    def running(self) -> subprocess.Popen:
+        """Its process, while it runs."""
+        if self.proc is None:
+            raise RuntimeError(f"milvus-lite server on port {self.port}: not started")
+        return self.proc
+
     def stop(self) -> None:
         """Kill it: its data stays."""
         if self.proc is not None:
@@ -86,8 +93,7 @@ def lite(data: Path, port: int | None = None) -> Iterator[tuple[str, subprocess.
     server = Lite(data, port)
     try:
         server.start()
-        assert server.proc is not None
-        yield server.uri, server.proc
+        yield server.uri, server.running
     finally:
         server.stop()
 
@@ -151,36 +157,32 @@ class Standalone:
         return ROOT_TOKEN if self.authorization else ""
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Start it and wait until it answers (its health route, then a call of a client)."""
-        self.server.wait_for_started = False
-        self.server.start()
-        self.server.wait_started(timeout=int(timeout_s * 1000))
-        self.wait_serving(timeout_s)
-
-    def wait_serving(self, timeout_s: float) -> None:
+        """Start it and wait until a client's call is answered (the package's own wait, on
+        its health route, would outlast a server that died starting)."""
         from pymilvus import MilvusClient
 
+        self.server.wait_for_started = False
+        self.server.start()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                MilvusClient(uri=self.uri, token=self.token, timeout=5).list_collections()
+                client = MilvusClient(uri=self.uri, token=self.token, timeout=5)
+                client.list_collections()
+                client.close()
                 return
             except Exception as exc:
-                if not self.server.running or time.monotonic() > deadline:
+                code = self.server.server_proc.poll()
+                if code is not None or time.monotonic() > deadline:
+                    why = f"exited with status {code}" if code is not None else "does not answer"
                     raise RuntimeError(
-                        f"Milvus standalone in {self.base} does not answer on {self.uri} "
-                        f"({exc}); its logs: {self.base / 'logs'}"
+                        f"Milvus standalone in {self.base} {why} on {self.uri} ({exc}); its "
+                        f"logs: {self.base / 'logs'}"
                     ) from None
                 time.sleep(0.5)
 
     def stop(self) -> None:
         """Stop it (the package sends SIGTERM, then SIGKILL after a second): its data stays."""
         self.server.stop()
-
-    @property
-    def pid(self) -> int | None:
-        proc = self.server.server_proc
-        return None if proc is None else int(proc.pid)
 
 
 @contextlib.contextmanager
