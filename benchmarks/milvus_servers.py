@@ -180,6 +180,18 @@ class Standalone:
                     ) from None
                 time.sleep(0.5)
 
+    def empty(self) -> None:
+        """Drop every collection and alias: one that stays up for other tests idles with
+        nothing loaded (a few percent of a core)."""
+        from pymilvus import MilvusClient
+
+        client = MilvusClient(uri=self.uri, token=self.token, timeout=60)
+        for name in client.list_collections():
+            for alias in client.list_aliases(name)["aliases"]:
+                client.drop_alias(alias)
+            client.drop_collection(name)
+        client.close()
+
     def stop(self) -> None:
         """Stop it (the package sends SIGTERM, then SIGKILL after a second): its data stays."""
         self.server.stop()

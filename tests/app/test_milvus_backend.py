@@ -51,7 +51,9 @@ def milvus(request, tmp_path_factory) -> Iterator[str]:
     """The URI of a Milvus: a Milvus Lite server of the module's own, or the session's Milvus
     standalone (the real engine, benchmarks.milvus_servers)."""
     if request.param == "standalone":
-        yield request.getfixturevalue("milvus_standalone").uri
+        server = request.getfixturevalue("milvus_standalone")
+        yield server.uri
+        server.empty()
         return
     with milvus_server(tmp_path_factory.mktemp("milvus")) as (uri, _):
         yield uri

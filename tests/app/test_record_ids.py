@@ -47,8 +47,9 @@ def served(request, tmp_path_factory) -> Iterator[tuple[Path, list[dict]]]:
             uri, _ = stack.enter_context(lite(tmp / "milvus"))
             extra += ["--backend", "milvus", "--milvus-uri", uri]
         elif request.param == "milvus-standalone":
-            uri = request.getfixturevalue("milvus_standalone").uri
-            extra += ["--backend", "milvus", "--milvus-uri", uri, "--views", "a,b+c"]
+            server = request.getfixturevalue("milvus_standalone")
+            stack.callback(server.empty)
+            extra += ["--backend", "milvus", "--milvus-uri", server.uri, "--views", "a,b+c"]
         build_index(tmp / "root", make_model_dir(tmp / "model"), data, tmp, *extra)
         yield tmp / "root", data
 
