@@ -1,23 +1,27 @@
 """Served throughput and latency through each view backend, on the same machine, records, model
-and view: `faiss` (memory-mapped files) and `milvus` (collections in a Milvus Lite server, its
-own process, on the same cores). Prints figures; it is not a test.
+and view, all exact (flat: recall 1.0): `faiss` (memory-mapped files), `milvus-lite`
+(collections in a Milvus Lite server) and `milvus-standalone` (collections in Milvus
+standalone, the real engine, from the `milvus` package: the milvus-server extra), each Milvus
+in its own process on the same cores. Prints figures; it is not a test.
 
     python benchmarks/bench_backends.py [--records 100000] [--seconds 8] [--workers 1]
+        [--backends faiss,milvus-lite,milvus-standalone]
 
-One Milvus Lite server on one machine is slower than local memory maps: the figure is for
-honesty; the point of the milvus backend is serving beyond one machine (docs/milvus.md).
-Every query is distinct (no cache hit); wrk drives the load from the same cores.
+One Milvus on one machine is slower than local memory maps: the figure is for honesty; the
+point of the milvus backend is serving beyond one machine (docs/milvus.md). Every query is
+distinct (no cache hit); wrk drives the load from the same cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,39 +37,23 @@ from benchmarks.bench_server import (
     write_records,
     wrk,
 )
+from benchmarks.milvus_servers import Lite, Standalone, free_port
+
+BACKENDS = ("faiss", "milvus-lite", "milvus-standalone")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_milvus(data: Path, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "milvus_lite",
-            "server",
-            "--data-dir",
-            str(data),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    for _ in range(300):
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return proc
-        except OSError:
-            time.sleep(0.1)
-    proc.kill()
-    raise SystemExit("milvus-lite server did not start")
+@contextlib.contextmanager
+def backend(name: str, work: Path) -> Iterator[tuple[str, ...]]:
+    """The build options that put a root on `name`, its Milvus running meanwhile."""
+    if name == "faiss":
+        yield ()
+        return
+    server = Lite(work / "lite-data") if name == "milvus-lite" else Standalone(work / "standalone")
+    server.start()
+    try:
+        yield ("--backend", "milvus", "--milvus-uri", server.uri)
+    finally:
+        server.stop()
 
 
 def build(work: Path, name: str, *extra: str) -> tuple[Path, float]:
@@ -124,42 +112,45 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=8.0)
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--out", type=Path, default=Path("bench-out/backends.json"))
+    p.add_argument(
+        "--backends", default=",".join(BACKENDS), help="comma-separated, of " + ", ".join(BACKENDS)
+    )
     args = p.parse_args()
+    backends = [b for b in args.backends.split(",") if b]
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown or not backends:
+        p.error(
+            f"--backends: {', '.join(unknown) or 'none given'}; choose of {', '.join(BACKENDS)}"
+        )
     print(
         f"CPU: {cpu_model()}; {args.records} records, d = {args.latent}, view {QUERY!r}, "
-        f"{args.workers} worker(s), wrk on the same cores"
+        f"{args.workers} worker(s), flat views (exact: recall@10 1.0 on each backend), wrk on "
+        "the same cores"
     )
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_records(work / "records.jsonl", args.records)
         make_model(work / "model", args.latent, REPO)
-        milvus_port = free_port()
-        milvus = start_milvus(work / "milvus-data", milvus_port)
-        try:
-            for name, extra in (
-                ("faiss", ()),
-                (
-                    "milvus",
-                    ("--backend", "milvus", "--milvus-uri", f"http://127.0.0.1:{milvus_port}"),
-                ),
-            ):
+        for name in backends:
+            with backend(name, work) as extra:
                 root, took = build(work, name, *extra)
                 r = serve(root, args.workers, args.seconds)
-                r["build_s"] = took
-                results[name] = r
-                one, many = r["1_connection"], r["32_connections"]
-                print(
-                    f"{name:>6}: build {took:6.1f} s; ready {r['ready_s']:.2f} s; 1 connection "
-                    f"{one['qps']:7.0f} q/s p50 {one['p50_ms']:6.2f} ms; 32 connections "
-                    f"{many['qps']:7.0f} q/s p50 {many['p50_ms']:6.2f} ms p99 "
-                    f"{many['p99_ms']:6.2f} ms; {one['non_2xx'] + many['non_2xx']} not 2xx"
-                )
-        finally:
-            milvus.kill()
-            milvus.wait()
-    f, m = results["faiss"]["32_connections"]["qps"], results["milvus"]["32_connections"]["qps"]
-    print(f"milvus / faiss at 32 connections: {m / f:.3f}")
+            r["build_s"] = took
+            results[name] = r
+            one, many = r["1_connection"], r["32_connections"]
+            print(
+                f"{name:>17}: build {took:6.1f} s; ready {r['ready_s']:.2f} s; 1 connection "
+                f"{one['qps']:7.0f} q/s p50 {one['p50_ms']:6.2f} ms; 32 connections "
+                f"{many['qps']:7.0f} q/s p50 {many['p50_ms']:6.2f} ms p99 "
+                f"{many['p99_ms']:6.2f} ms; {one['non_2xx'] + many['non_2xx']} not 2xx"
+            )
+    if "faiss" in results:
+        f = results["faiss"]["32_connections"]["qps"]
+        for name in backends:
+            if name != "faiss":
+                m = results[name]["32_connections"]["qps"]
+                print(f"{name} / faiss at 32 connections: {m / f:.3f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -7,6 +7,7 @@ that no published version names (a killed job's, or those of versions gc removed
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,38 +86,37 @@ class _Writer:
         return milvus.call(self.client, t.uri, t.timeout_s, method, *args, **kwargs)
 
     def create(self, name: str, schema: Any, field: str, kind: str, params: dict[str, int]) -> None:
+        """A new collection with its index, not loaded yet (finish() loads it)."""
         index = self.client.prepare_index_params()
         index.add_index(field_name=field, index_type=kind, metric_type="IP", params=params)
-        if self.call("has_collection", name):
-            self.call("drop_collection", name)  # a dead run's, of this same version id
-        self.call(
-            "create_collection",
-            name,
-            schema=schema,
-            index_params=index,
-            num_shards=self.target.shards,
-        )
+        if self.call("has_collection", name):  # a dead run's, of this same version id
+            milvus.drop_collection(self.client, self.target.uri, self.target.timeout_s, name)
+        self.call("create_collection", name, schema=schema, num_shards=self.target.shards)
         self.created.append(name)
+        self.call("create_index", name, index)
 
     def insert(self, name: str, rows: list[dict[str, Any]]) -> None:
         if rows:
             self.call("insert", name, rows)
 
-    def finish(self, name: str, count: int) -> None:
-        """Flush, load and count: a collection that holds other than `count` rows stops the
-        job before anything is published."""
-        self.call("flush", name)
-        self.call("load_collection", name)
-        held = int(self.call("get_collection_stats", name)["row_count"])
-        if held != count:
-            raise artifact.ArtifactError(
-                f"Milvus collection {name} holds {held} rows after loading, expected {count}"
-            )
+    def finish(self, counts: dict[str, int]) -> None:
+        """Flush and load every collection, then count each: one that holds other than its
+        count stops the job before anything is published. Milvus seals and loads each in the
+        background and the client waits for it: the waits of all run at once."""
+        with ThreadPoolExecutor(len(counts)) as pool:
+            list(pool.map(lambda name: self.call("flush", name), counts))
+            list(pool.map(lambda name: self.call("load_collection", name), counts))
+        for name, count in counts.items():
+            held = int(self.call("get_collection_stats", name)["row_count"])
+            if held != count:
+                raise artifact.ArtifactError(
+                    f"Milvus collection {name} holds {held} rows after loading, expected {count}"
+                )
 
     def drop_created(self) -> None:
         for name in self.created:
             try:
-                self.client.drop_collection(name, timeout=self.target.timeout_s)
+                milvus.drop_collection(self.client, self.target.uri, self.target.timeout_s, name)
             except Exception as exc:  # the next job's clean-up drops what is left
                 log.warning("could not drop Milvus collection %s: %s", name, exc)
 
@@ -166,7 +166,6 @@ def _records(
                 for i in range(len(ids))
             ],
         )
-    w.finish(name, len(store))
 
 
 def _view(
@@ -211,7 +210,6 @@ def _view(
                 for i in range(len(part))
             ],
         )
-    w.finish(name, len(rows))
     return kind, params
 
 
@@ -271,33 +269,40 @@ def export(
     try:
         lengths = varchar_lengths(stage, store)
         _records(w, lengths, names["records"], store, stored, int(manifest["d"]))
+        counts = {names["records"]: len(store)}
         base = stage / artifact.VIEWS
         for view in views:
             entry = manifest["views"][view]
             collection = names["views"][view]
             rows = np.load(base / f"{view}.rows.npy", mmap_mode="r")
-            # copy-on-write: torch (exact search, for the recall) refuses read-only arrays
-            vectors = np.load(base / f"{view}.npy", mmap_mode="c")
+            vectors = np.load(base / f"{view}.npy", mmap_mode="r")
             kind, params = _view(w, lengths, collection, rows, vectors, store, types, spec)
+            counts[collection] = len(rows)
             built = IndexSpec(spec.kind, resolved_params(spec, int(entry["count"])))
-            own: dict[str, Any] = {
+            block["views"][view] = {
                 "collection": collection,
                 "index": kind,
                 "params": params,
                 "spec": built.to_dict(),
                 "recall_at_10": 1.0,
             }
-            if kind != "FLAT":
+        w.finish(counts)
+        for view, own in block["views"].items():
+            entry = manifest["views"][view]
+            if own["index"] != "FLAT":
+                # copy-on-write: torch (exact search, for the recall) refuses read-only arrays
+                vectors = np.load(base / f"{view}.npy", mmap_mode="c")
+                rows = np.load(base / f"{view}.rows.npy", mmap_mode="r")
                 xq = sample_queries(head, stored, tuple(entry["query"]), RECALL_QUERIES, seed=1)
-                own["recall_at_10"] = _recall(w, collection, vectors, rows, xq, built)
+                built = IndexSpec.from_dict(own["spec"])
+                own["recall_at_10"] = _recall(w, own["collection"], vectors, rows, xq, built)
             log.info(
                 "view %s: Milvus %s in %s, recall@10 %s",
                 view,
-                kind,
-                collection,
+                own["index"],
+                own["collection"],
                 own["recall_at_10"],
             )
-            block["views"][view] = own
     except BaseException:
         w.drop_created()
         raise

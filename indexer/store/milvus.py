@@ -133,7 +133,7 @@ def drop_unpublished(root: Path, timeout_s: float = 60.0) -> list[str]:
         found = _VERSION_PART.match(name[len(prefix) :])
         if found is None or found.group("version") in kept:
             continue
-        call(client, uri, timeout_s, "drop_collection", name)
+        drop_collection(client, uri, timeout_s, name)
         dropped.append(name)
     if dropped:
         log.warning("dropped Milvus collections no published version names: %s", ", ".join(dropped))
@@ -147,7 +147,16 @@ def drop_version(block: Mapping[str, Any], timeout_s: float = 60.0) -> None:
     names = [block["records"], *(v["collection"] for v in block["views"].values())]
     for name in names:
         if call(client, uri, timeout_s, "has_collection", name):
-            call(client, uri, timeout_s, "drop_collection", name)
+            drop_collection(client, uri, timeout_s, name)
+
+
+def drop_collection(client: Any, uri: str, timeout_s: float, name: str) -> None:
+    """Drop a collection and first the aliases that name it: Milvus 2.5 refuses to drop a
+    collection an alias names, 2.3 drops its aliases with it."""
+    found = call(client, uri, timeout_s, "list_aliases", name)
+    for alias in found["aliases"] if isinstance(found, dict) else found:
+        call(client, uri, timeout_s, "drop_alias", alias)
+    call(client, uri, timeout_s, "drop_collection", name)
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -185,9 +194,7 @@ def connect(uri: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
         )
     except Exception as exc:
         if is_transient(exc):
-            raise BackendUnavailable(
-                f"Milvus at {uri}: cannot connect ({reason(exc)})", public(exc, timeout_s)
-            ) from None
+            raise unavailable(uri, "cannot connect", exc, timeout_s) from None
         raise
 
 
@@ -199,9 +206,28 @@ def call(client: Any, uri: str, timeout_s: float, method: str, *args: Any, **kwa
     except Exception as exc:
         if not is_transient(exc):
             raise
-        raise BackendUnavailable(
-            f"Milvus at {uri}: {method} failed ({reason(exc)})", public(exc, timeout_s)
-        ) from None
+        raise unavailable(uri, f"{method} failed", exc, timeout_s) from None
+
+
+_REFUSED = ("UNAUTHENTICATED", "PERMISSION_DENIED")
+
+
+def unavailable(uri: str, what: str, exc: BaseException, timeout_s: float) -> BackendUnavailable:
+    """The BackendUnavailable for a failed connection or call: a token Milvus refused (or one
+    it wants and was not given) is said so, not taken for an unreachable server."""
+    why = reason(exc)
+    if why.startswith(_REFUSED):
+        given = bool(os.environ.get(TOKEN_ENV))
+        hint = (
+            f"it refused the token in {TOKEN_ENV}"
+            if given
+            else f"it wants a token: set {TOKEN_ENV} (user:password, or an API key)"
+        )
+        return BackendUnavailable(
+            f"Milvus at {uri}: {what}: {hint} ({why})",
+            "the vector database (Milvus) refused the service's credentials",
+        )
+    return BackendUnavailable(f"Milvus at {uri}: {what} ({why})", public(exc, timeout_s))
 
 
 _GRPC_STATUS = re.compile(r"status = StatusCode\.(\w+)")
@@ -210,12 +236,20 @@ _GRPC_DETAILS = re.compile(r'details = "([^"]*)"')
 
 def reason(exc: BaseException) -> str:
     """An error of the client in one short line: a gRPC error's status and details, not its
-    repr (`<_InactiveRpcError of RPC that terminated with: ...>`)."""
+    repr (`<_InactiveRpcError of RPC that terminated with: ...>`); where pymilvus wraps the
+    gRPC error in words of its own (a refused connection: "illegal connection params or
+    server unavailable"), the gRPC error it was raised from."""
+    cause = exc.__cause__
+    code, details = getattr(cause, "code", None), getattr(cause, "details", None)
+    if callable(code) and callable(details):
+        status = getattr(code(), "name", None)
+        if status:
+            return f"{status}: {details()}"[:300]
     text = " ".join(str(getattr(exc, "message", None) or exc or type(exc).__name__).split())
     status = _GRPC_STATUS.search(text)
     if status is not None:
-        details = _GRPC_DETAILS.search(text)
-        text = status.group(1) + (f": {details.group(1)}" if details else "")
+        found = _GRPC_DETAILS.search(text)
+        text = status.group(1) + (f": {found.group(1)}" if found else "")
     return text[:300]
 
 

@@ -11,6 +11,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -20,6 +21,20 @@ from fastapi import FastAPI
 from app.core.settings import Settings
 from app.main import create_app
 from tests.conftest import DIMS, index_build, make_model_dir, vector_records, write_jsonl
+
+if TYPE_CHECKING:
+    from benchmarks.milvus_servers import Standalone
+
+
+@pytest.fixture(scope="session")
+def milvus_standalone(tmp_path_factory) -> Iterator[Standalone]:
+    """One Milvus standalone for the session (the `milvus` package's Go/C++ engine, on free
+    ports, in a directory of the session's), stopped at its end."""
+    pytest.importorskip("milvus", reason="the 'milvus-server' extra (CI installs it)")
+    from benchmarks.milvus_servers import standalone
+
+    with standalone(tmp_path_factory.mktemp("milvus-standalone")) as server:
+        yield server
 
 
 def free_port() -> int:

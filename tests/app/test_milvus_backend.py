@@ -1,15 +1,17 @@
-"""Views in Milvus (`--backend milvus`), against a real Milvus Lite server in its own process:
-the same answers as the FAISS backend, updates, a replica that holds nothing but the manifest,
-a swap under load, the backend stopped and started again under load, and a killed build."""
+"""Views in Milvus (`--backend milvus`), against real servers in processes of their own: the
+same answers as the FAISS backend, updates, a replica that holds nothing but the manifest, a
+swap under load, collections released and dropped, the backend stopped and started again under
+load, a token checked, and a killed build.
+
+Tests taking `milvus` run on Milvus Lite and Milvus standalone (the real engine), the token's
+on standalone; the rest test the service's handling of the client, not the engine: Lite only."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -21,37 +23,15 @@ import httpx
 import numpy as np
 import pytest
 
+from benchmarks.milvus_servers import Lite, Standalone
+from benchmarks.milvus_servers import lite as milvus_server
+from indexer.store.milvus import TOKEN_ENV
 from tests.app.conftest import build_index, free_port, records_v, running, settings_for, wait_until
 from tests.conftest import make_model_dir, run_cli, write_jsonl
 
 pymilvus = pytest.importorskip("pymilvus", reason="the 'milvus' extra (CI installs it)")
 FIELDS = "color,year,symbol"
 QUERY_SETS = [("a",), ("b",), ("c",), ("a", "b"), ("a", "c"), ("b", "c")]
-
-
-@contextlib.contextmanager
-def milvus_server(data: Path, port: int | None = None) -> Iterator[tuple[str, subprocess.Popen]]:
-    """`milvus-lite server` on a loopback port: a Milvus the test may stop and start."""
-    port = port or free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "milvus_lite", "server", "--data-dir", str(data),
-         "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-
-    def listening() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return True
-        except OSError:
-            return False
-
-    try:
-        wait_until(listening, 30)
-        yield f"http://127.0.0.1:{port}", proc
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def rows_with_fields(prefix: str, n: int = 300, seed: int = 0) -> list[dict]:
@@ -63,8 +43,18 @@ def rows_with_fields(prefix: str, n: int = 300, seed: int = 0) -> list[dict]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def milvus(tmp_path_factory) -> Iterator[str]:
+ENGINES = ["lite", "standalone"]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def milvus(request, tmp_path_factory) -> Iterator[str]:
+    """The URI of a Milvus: a Milvus Lite server of the module's own, or the session's Milvus
+    standalone (the real engine, benchmarks.milvus_servers)."""
+    if request.param == "standalone":
+        server = request.getfixturevalue("milvus_standalone")
+        yield server.uri
+        server.empty()
+        return
     with milvus_server(tmp_path_factory.mktemp("milvus")) as (uri, _):
         yield uri
 
@@ -218,6 +208,39 @@ def test_a_replica_serves_from_the_manifest_alone(tmp_path, both) -> None:
             assert_same(search(fa, body), search(mv, body))
 
 
+def test_a_released_collection_is_loaded_again_and_a_dropped_one_stops_the_version(
+    tmp_path, milvus
+) -> None:
+    model = make_model_dir(tmp_path / "model")
+    root = tmp_path / "root"
+    v1 = build_index(root, model, records_v("v1", 100), tmp_path, "--backend", "milvus",
+                     "--milvus-uri", milvus, "--views", "a")  # fmt: skip
+    block = json.loads((root / "versions" / v1 / "manifest.json").read_text())["backend"]
+    view, records = block["views"]["a"]["collection"], block["records"]
+    client = pymilvus.MilvusClient(uri=milvus)
+
+    def loaded(collection: str) -> bool:
+        return str(client.get_load_state(collection)["state"].name) == "Loaded"
+
+    body = {"query": {"a": [0.1] * 6}, "k": 3}
+    with running(settings_for(root, milvus_timeout_s=5.0)) as http:
+        client.release_collection(view)
+        assert not loaded(view)
+        wait_until(lambda: http.get("/readyz").status_code == 200 and loaded(view), 60)
+        assert len(search(http, body)["results"]) == 3
+        client.drop_collection(records)  # the view's has the alias, which 2.5 will not drop
+
+        def says_gone() -> bool:
+            r = http.get("/readyz")
+            return r.status_code == 503 and "cannot be served" in r.json()["error"]
+
+        wait_until(says_gone, 60)
+        error = http.get("/readyz").json()["error"]
+        assert f"no longer holds its collection {records}" in error, error
+        r = http.post("/v1/search", json={"query": {"a": [0.2] * 6}, "k": 3})
+        assert r.status_code == 503 and r.json()["error_type"] == "not_ready", r.text
+
+
 def load(client: httpx.Client, stop: threading.Event, out: list) -> None:
     """Searches one after another until `stop`, each a new query (no cache hit): (status,
     Retry-After, body) of each."""
@@ -232,14 +255,15 @@ def test_a_swap_under_load_never_mixes_versions(tmp_path, milvus) -> None:
     model = make_model_dir(tmp_path / "model")
     root = tmp_path / "root"
     milvus_args = ("--backend", "milvus", "--milvus-uri", milvus)
-    v1 = build_index(root, model, records_v("v1"), tmp_path, *milvus_args)
+    v1 = build_index(root, model, records_v("v1"), tmp_path, *milvus_args, "--views", "a")
     stop, out = threading.Event(), []
     with running(settings_for(root)) as client:
         loaders = [threading.Thread(target=load, args=(client, stop, out)) for _ in range(3)]
         for t in loaders:
             t.start()
         try:
-            v2 = build_index(root, model, records_v("v2", seed=1), tmp_path)  # the root's backend
+            # the root's backend
+            v2 = build_index(root, model, records_v("v2", seed=1), tmp_path, "--views", "a")
             wait_until(lambda: client.get("/v1/info").json()["index_version"] == v2)
             seen = len(out)
             wait_until(lambda: len(out) > seen + 20)
@@ -255,39 +279,50 @@ def test_a_swap_under_load_never_mixes_versions(tmp_path, milvus) -> None:
         assert all(x["id"].startswith(prefix[body["index_version"]]) for x in body["results"])
 
 
+@pytest.fixture(scope="module")
+def milvus_auth(tmp_path_factory) -> Iterator[Standalone]:
+    """A Milvus standalone of the module's own with authorization on (user root, password
+    Milvus), which tests may stop and start."""
+    pytest.importorskip("milvus", reason="the 'milvus-server' extra (CI installs it)")
+    server = Standalone(tmp_path_factory.mktemp("milvus-auth"), authorization=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def test_milvus_stopped_under_load_answers_503_and_the_service_recovers(tmp_path) -> None:
     model = make_model_dir(tmp_path / "model")
-    root, data, port = tmp_path / "root", tmp_path / "milvus", free_port()
+    root = tmp_path / "root"
+    stoppable = Lite(tmp_path / "milvus")
+    stoppable.start()
     stop, out = threading.Event(), []
-    settings = settings_for(root, milvus_timeout_s=1.0, request_timeout_s=5.0)
-    first = milvus_server(data, port)
-    uri, _ = first.__enter__()
-    try:
-        build_index(root, model, records_v("v1"), tmp_path, "--backend", "milvus",
-                    "--milvus-uri", uri)  # fmt: skip
-        with running(settings) as client:
-            loader = threading.Thread(target=load, args=(client, stop, out))
-            loader.start()
-            try:
-                wait_until(lambda: len(out) > 10)
-                first.__exit__(None, None, None)  # Milvus goes away under load
-                up = len(out)
-                wait_until(lambda: sum(s == 503 for s, _, _ in out[up:]) >= 5, 30)
-                with running(settings, wait_ready=False) as fresh:
-                    time.sleep(0.5)
-                    assert fresh.get("/readyz").status_code == 503  # cannot load its version
-                with milvus_server(data, port):  # back on the same port and data
-                    back = len(out)
-                    wait_until(lambda: any(s == 200 for s, _, _ in out[back:]), 60)
-                    ok = max(i for i, (s, _, _) in enumerate(out) if s == 200)
-                    wait_until(lambda: len(out) > ok + 20)
-                    late = [(s, b) for s, _, b in out[ok + 5 :] if s != 200]
-                    assert not late, late[:3]
-            finally:
-                stop.set()
-                loader.join()
-    finally:
-        first.__exit__(None, None, None)
+    settings = settings_for(root, milvus_timeout_s=2.0, request_timeout_s=5.0)
+    build_index(root, model, records_v("v1"), tmp_path, "--backend", "milvus",
+                "--milvus-uri", stoppable.uri, "--views", "a")  # fmt: skip
+    with running(settings) as client:
+        loader = threading.Thread(target=load, args=(client, stop, out))
+        loader.start()
+        try:
+            wait_until(lambda: len(out) > 10, 60)
+            stoppable.stop()  # Milvus goes away under load
+            up = len(out)
+            wait_until(lambda: sum(s == 503 for s, _, _ in out[up:]) >= 5, 60)
+            with running(settings, wait_ready=False) as fresh:
+                time.sleep(0.5)
+                assert fresh.get("/readyz").status_code == 503  # cannot load its version
+            stoppable.start()  # back on the same port and data
+            back = len(out)
+            wait_until(lambda: any(s == 200 for s, _, _ in out[back:]), 60)
+            ok = max(i for i, (s, _, _) in enumerate(out) if s == 200)
+            wait_until(lambda: len(out) > ok + 20, 60)
+            late = [(s, b) for s, _, b in out[ok + 5 :] if s != 200]
+            assert not late, late[:3]
+        finally:
+            stop.set()
+            loader.join()
+            stoppable.stop()
     assert {s for s, _, _ in out} == {200, 503}
     for status, retry, body in out:
         if status == 503:
@@ -296,9 +331,86 @@ def test_milvus_stopped_under_load_answers_503_and_the_service_recovers(tmp_path
             assert "Milvus" in body["error"] or "took longer" in body["error"]
 
 
-def test_a_killed_build_leaves_current_and_its_collections_are_dropped_next(
-    tmp_path, milvus
+@pytest.fixture(scope="module")
+def auth_root(tmp_path_factory, milvus_auth) -> tuple[Path, Path, str]:
+    """A root built into the Milvus that checks tokens, with its token: (root, model, version)."""
+    tmp = tmp_path_factory.mktemp("auth")
+    model = make_model_dir(tmp / "model")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(TOKEN_ENV, milvus_auth.token)
+        v1 = build_index(tmp / "root", model, records_v("v1", 100), tmp, "--backend", "milvus",
+                         "--milvus-uri", milvus_auth.uri, "--views", "a")  # fmt: skip
+    return tmp / "root", model, v1
+
+
+def test_a_milvus_that_checks_tokens_takes_the_right_one_and_names_a_wrong_one(
+    tmp_path, milvus_auth, auth_root, monkeypatch
 ) -> None:
+    root, model, v1 = auth_root
+    monkeypatch.setenv(TOKEN_ENV, "root:Milvus")
+    body = {"query": {"a": [0.1] * 6}, "k": 3}
+    with running(settings_for(root)) as client:
+        assert client.get("/readyz").json()["index_version"] == v1
+        assert len(search(client, body)["results"]) == 3
+    records = tmp_path / "more.jsonl"
+    write_jsonl(records, records_v("v2", 20))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    cmd = [sys.executable, "-m", "app.cli", "index", "build", "--model", str(model),
+           "--records", str(records), "--root", str(root), "--quiet"]  # fmt: skip
+    said = {
+        "root:wrong": f"cannot connect: it refused the token in {TOKEN_ENV} (UNAUTHENTICATED: ",
+        "": f"cannot connect: it wants a token: set {TOKEN_ENV} (user:password, or an API key)",
+    }
+    for token, words in said.items():
+        done = subprocess.run(cmd, env=env | {TOKEN_ENV: token}, capture_output=True,
+                              text=True, timeout=120)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"hclip index build: error: Milvus at {milvus_auth.uri}: "), line
+        assert words in line, line
+    assert (root / "CURRENT").read_text().strip() == v1
+    monkeypatch.setenv(TOKEN_ENV, "root:wrong")  # a server given the wrong token
+    with running(settings_for(root), wait_ready=False) as client:
+        wait_until(lambda: client.get("/readyz").status_code == 503, 30)
+        ready = client.get("/readyz").json()
+        assert f"it refused the token in {TOKEN_ENV}" in ready["error"], ready
+        r = client.post("/v1/search", json=body)
+        assert r.status_code == 503 and r.json()["error_type"] == "not_ready", r.text
+        assert f"it refused the token in {TOKEN_ENV} (UNAUTHENTICATED: " in r.json()["error"]
+
+
+def test_milvus_standalone_stopped_is_answered_503_in_the_services_words(
+    milvus_auth, auth_root, monkeypatch
+) -> None:
+    """Stops the module's Milvus that checks tokens: the last of its tests."""
+    root, _, _ = auth_root
+    monkeypatch.setenv(TOKEN_ENV, milvus_auth.token)
+    body = {"query": {"a": [0.1] * 6}, "k": 3}
+    with running(settings_for(root, milvus_timeout_s=2.0)) as client:
+        assert len(search(client, body)["results"]) == 3
+        milvus_auth.stop()
+        r = client.post("/v1/search", json={"query": {"a": [0.2] * 6}, "k": 3})
+        assert r.status_code == 503 and r.headers.get("retry-after"), r.text
+        assert r.json()["error_type"] == "backend_unavailable", r.text
+        assert (
+            r.json()["error"] == "the vector database (Milvus) is unreachable or refused the call"
+        )
+        assert client.post("/v1/search", json=body).status_code == 200  # cached still answers
+        wait_until(lambda: client.get("/readyz").status_code == 503, 30)
+        assert f"Milvus at {milvus_auth.uri}" in client.get("/readyz").json()["error"]
+
+
+def test_a_killed_build_leaves_current_and_its_collections_are_dropped_next(tmp_path) -> None:
+    milvus_lite = Lite(tmp_path / "milvus")
+    milvus_lite.start()
+    try:
+        killed_build(tmp_path, milvus_lite.uri)
+    finally:
+        milvus_lite.stop()
+
+
+def killed_build(tmp_path: Path, milvus: str) -> None:
     model = make_model_dir(tmp_path / "model")
     root = tmp_path / "root"
     v1 = build_index(root, model, records_v("v1"), tmp_path, "--backend", "milvus",

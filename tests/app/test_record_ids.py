@@ -32,19 +32,24 @@ def rows() -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module", params=["faiss", "milvus"])
+@pytest.fixture(scope="module", params=["faiss", "milvus", "milvus-standalone"])
 def served(request, tmp_path_factory) -> Iterator[tuple[Path, list[dict]]]:
-    """A root on each backend (Milvus: a Milvus Lite server of the module's own)."""
+    """A root on each backend (Milvus: a Milvus Lite server of the module's own, and the
+    session's Milvus standalone, whose expression parser is the real engine's)."""
     tmp = tmp_path_factory.mktemp(request.param)
     data = rows()
     extra = ["--filter-fields", "color"]
     with contextlib.ExitStack() as stack:
         if request.param == "milvus":
             pytest.importorskip("pymilvus", reason="the 'milvus' extra (CI installs it)")
-            from tests.app.test_milvus_backend import milvus_server
+            from benchmarks.milvus_servers import lite
 
-            uri, _ = stack.enter_context(milvus_server(tmp / "milvus"))
+            uri, _ = stack.enter_context(lite(tmp / "milvus"))
             extra += ["--backend", "milvus", "--milvus-uri", uri]
+        elif request.param == "milvus-standalone":
+            server = request.getfixturevalue("milvus_standalone")
+            stack.callback(server.empty)
+            extra += ["--backend", "milvus", "--milvus-uri", server.uri, "--views", "a,b+c"]
         build_index(tmp / "root", make_model_dir(tmp / "model"), data, tmp, *extra)
         yield tmp / "root", data
 
