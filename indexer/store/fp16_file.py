@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 from pathlib import Path
+from typing import Any
 
 import faiss
 import numpy as np
@@ -83,6 +84,19 @@ def map_rows(path: Path) -> np.ndarray:
     if n == 0:
         return np.zeros((0, dim), DTYPE)
     return np.memmap(path, dtype=DTYPE, mode="r", offset=offset, shape=(n, dim))
+
+
+def rows_of(index: Any) -> np.ndarray:  # a faiss.IndexScalarQuantizer
+    """The (N, d) float16 rows of a float16 embeddings file read by read_index, as a read-only
+    array over the index's own codes: no second mapping of the file (one would double the
+    process's resident pages for the same bytes). It lives as long as the index does."""
+    n, dim = int(index.ntotal), int(index.d)
+    if n == 0:
+        return np.zeros((0, dim), DTYPE)
+    codes = faiss.rev_swig_ptr(index.codes.data(), n * dim * DTYPE.itemsize)
+    rows = codes.view(DTYPE).reshape(n, dim)
+    rows.flags.writeable = False
+    return rows
 
 
 def read_index(path: Path, mmap: bool = True) -> faiss.Index:

@@ -21,7 +21,13 @@ from indexer.search.specs import FLAT_CODE_KINDS, IndexSpec, set_search_params
 from indexer.search.view import View
 from indexer.store import artifact, fp16_file
 from indexer.store.recordstore import RecordStore, RecordStoreError, id_hash_of
-from indexer.store.rows import StoredRows, embedding_path, factor_chunks, map_embeddings
+from indexer.store.rows import (
+    COMPACT_SUFFIX,
+    StoredRows,
+    embedding_path,
+    factor_chunks,
+    map_embeddings,
+)
 from models.checkpoint import fingerprint
 from models.heads import build_head
 
@@ -39,6 +45,10 @@ class LoadedVersion:
         self.version: str = self.manifest["version"]
         self.names: list[str] = self.manifest["modalities"]
         count = int(self.manifest["counts"]["records"])
+        # float16 files (a compact version's embeddings, and the views that are hard links to
+        # them) opened once each: FAISS searches them and numpy reads their rows in one mapping
+        self._fp16: dict[tuple[int, int], faiss.Index] = {}
+        self._mmap = mmap
         try:
             fields = self.manifest.get("filter_fields")
             self.records = RecordStore(vdir, self.names, fields, id_hash_of(self.manifest))
@@ -75,7 +85,11 @@ class LoadedVersion:
         rel = path.relative_to(self.path)
         want = np.float16 if is_compact(self.manifest) else np.float32
         try:
-            arr = map_embeddings(self.path, name)
+            if path.suffix == COMPACT_SUFFIX:
+                fp16_file.layout(path)  # a file of another kind is named, not misread
+                arr = fp16_file.rows_of(self._fp16_index(path))
+            else:
+                arr = map_embeddings(self.path, name)
         except fp16_file.Fp16FileError as exc:
             raise artifact.ArtifactError(str(exc)) from None
         d = int(self.manifest["d"])
@@ -99,9 +113,12 @@ class LoadedVersion:
             held = view.vectors.shape
         else:
             path = base / f"{name}.faiss"
-            # flat codes stay memory-mapped, their pages shared between workers and versions
-            flag = faiss.IO_FLAG_MMAP_IFC if mmap and spec.kind in FLAT_CODE_KINDS else 0
-            view.index = faiss.read_index(str(path), flag)
+            if spec.kind == "fp16":  # the embeddings file itself, where the view links to it
+                view.index = self._fp16_index(path)
+            else:
+                # flat codes stay memory-mapped, their pages shared between workers and versions
+                flag = faiss.IO_FLAG_MMAP_IFC if mmap and spec.kind in FLAT_CODE_KINDS else 0
+                view.index = faiss.read_index(str(path), flag)
             set_search_params(view.index, spec)
             view.max_norm = float(entry["augment"]["max_norm"])
             view.width = int(entry["augment"]["width"])
@@ -113,6 +130,14 @@ class LoadedVersion:
                 f"({count}, {dim})"
             )
         return view
+
+    def _fp16_index(self, path: Path) -> faiss.Index:
+        """A float16 file's index, read once per file (hard links are one file)."""
+        st = path.stat()
+        key = (st.st_dev, st.st_ino)
+        if key not in self._fp16:
+            self._fp16[key] = fp16_file.read_index(path, mmap=self._mmap)
+        return self._fp16[key]
 
     def _record_factors(self, view: View, positions: np.ndarray) -> np.ndarray:
         """The exact vectors of a view's positions, from the stored embeddings."""

@@ -405,3 +405,25 @@ def test_every_compact_view_says_what_it_stores_and_its_recall(corpus) -> None:
     for entry in manifest["views"].values():
         assert entry["stores"] in ("float16", "codes:SQ8")
         assert entry["recall_at_10"] >= 0.95
+
+
+def test_each_float16_file_is_mapped_once_per_version(corpus) -> None:
+    """The embeddings numpy reads and the float16 views FAISS scans (hard links to them) are one
+    mapping of each file: a second would count the same pages twice in the worker's RSS."""
+    import gc
+    import os
+
+    comp = _built(corpus, "compact", "--compact", "--spec", "sq8:rerank=30")
+    gc.collect()
+    fresh = LoadedVersion(comp.path)
+    embeddings = sorted((comp.path / "embeddings").glob("*.faiss"))
+    inodes = {os.stat(p).st_ino for p in embeddings}
+    linked = [p for p in (comp.path / "views").glob("*.faiss") if os.stat(p).st_ino in inodes]
+    assert linked  # the all-but-one views are those files
+    maps = [line.split() for line in Path("/proc/self/maps").read_text().splitlines()]
+    mine = [m for m in maps if len(m) >= 6 and str(comp.path) in m[5]]
+    for inode in inodes:
+        assert sum(int(m[4]) == inode for m in mine) == 2, inode  # comp's and fresh's: one each
+    xq = _queries(fresh, corpus[0], "b+c")
+    _, rows = fresh.views["b+c"].search(xq, 10)
+    assert (rows >= 0).all() and fresh.stored.embeddings["a"].dtype == np.float16
