@@ -124,7 +124,8 @@ def encode(model: Any, table: Any, names: tuple[str, ...]) -> dict[str, Any]:
     with torch.no_grad():
         for m in names:
             flat = table.column(m).combine_chunks().flatten().to_numpy()
-            out[m] = model.encode_batch(m, torch.from_numpy(flat.reshape(-1, DIM)))
+            rows = np.array(flat.reshape(-1, DIM), dtype=np.float32)  # writable, for torch
+            out[m] = model.encode_batch(m, torch.from_numpy(rows))
     return out
 
 
