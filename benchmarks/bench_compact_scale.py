@@ -37,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_compact import disk_bytes  # noqa: E402
+from benchmarks.bench_compact import LUA, disk_bytes  # noqa: E402  (LUA: a fresh vector a request)
 from benchmarks.bench_scale import rss  # noqa: E402
 from benchmarks.bench_server import env_for, stop, wait_ready, wrk  # noqa: E402
 
@@ -192,25 +192,6 @@ def recall(url: str, queries: dict[str, Any], truth: dict[str, np.ndarray]) -> d
                 hits += len(got & set(want[i].tolist()))
             out[view] = hits / (K * len(want))
     return out
-
-
-LUA = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-math.randomseed(%d)
-local names = {%s}
-local function vec()
-  local v = {}
-  for i = 1, %d do v[i] = string.format("%%.4f", math.random() * 2 - 1) end
-  return '[' .. table.concat(v, ",") .. ']'
-end
-request = function()
-  local parts = {}
-  for i, n in ipairs(names) do parts[i] = '"' .. n .. '": ' .. vec() end
-  return wrk.format(nil, "/v1/search", nil,
-    '{"embeddings": {' .. table.concat(parts, ",") .. '}, "k": %d}')
-end
-"""
 
 
 def cached_mb() -> float:
