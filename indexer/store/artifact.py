@@ -15,6 +15,7 @@ CURRENT and every published version untouched.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -187,19 +188,42 @@ def doing(job: str, what: str, where: Path) -> Iterator[None]:
         raise storage_error(exc, f"{job}: {what}", where) from None
 
 
+# A killed run's encoders (Ray actors) can outlive it by a moment and finish the file they were
+# writing into its staged version: removing that version is retried for this long.
+STRAGGLER_S = 15.0
+
+
 def clean_staging(root: Path) -> list[str]:
     """Remove what dead runs left; only call with the root lock held."""
     staging = root / STAGING
     removed = []
     if staging.is_dir():
         for entry in staging.iterdir():
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_tree(entry)
             removed.append(entry.name)
     for tmp in root.glob(f"{CURRENT}.tmp*"):
         tmp.unlink(missing_ok=True)
     if removed:
         log.warning("removed unfinished versions left by a dead run: %s", ", ".join(removed))
     return removed
+
+
+def remove_tree(path: Path, within_s: float = STRAGGLER_S) -> None:
+    """Remove `path` and what it holds, again while a writer that has not died yet adds a file
+    under it (a directory that gained an entry cannot be removed); still there after
+    `within_s`: a warning naming it, for the next run or `gc`."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            shutil.rmtree(path)
+            return
+        except OSError as exc:
+            if not path.exists():  # removed meanwhile
+                return
+            if exc.errno != errno.ENOTEMPTY or time.monotonic() > deadline:
+                log.warning("could not remove %s (%s): the next run or gc removes it", path, exc)
+                return
+        time.sleep(0.1)
 
 
 def staging_dir(root: Path, version_id: str) -> Path:

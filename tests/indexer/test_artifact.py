@@ -154,3 +154,24 @@ def test_every_file_of_a_build_is_on_disk_before_current_names_it(tmp_path: Path
         if kind == "fsync" and p.is_relative_to(stage)
     }
     assert set(artifact.list_files(vdir)) | {artifact.MANIFEST} <= synced
+
+
+def test_a_staged_version_gaining_a_file_while_removed_is_removed(tmp_path: Path, monkeypatch):
+    """A killed run's encoder (a Ray actor) can finish a shard in its staged version while the
+    next run removes that version: the removal goes on until the version is gone."""
+    staged = tmp_path / artifact.STAGING / "20261204T000000Z-dead"
+    (staged / "shards").mkdir(parents=True)
+    (staged / "shards" / "0.arrow").write_bytes(b"x")
+    real_rmdir = os.rmdir
+    late: list[Path] = []
+
+    def rmdir_after_a_late_write(path, *args, **kwargs):
+        if not late:  # the straggler's file lands between the listing and the rmdir
+            late.append(staged / "shards" / "1.tmp")
+            late[0].write_bytes(b"y")
+        return real_rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", rmdir_after_a_late_write)
+    assert artifact.clean_staging(tmp_path) == [staged.name]
+    assert late, "the late write never happened"
+    assert list((tmp_path / artifact.STAGING).iterdir()) == []
