@@ -20,6 +20,7 @@ search itself costs microseconds beside a tower). For each query modality and ru
   1 connection (p50) and 32 connections (q/s answered with results; the request deadline is
   raised to the load's timeout, so that a queue of slow queries is measured, not the deadline);
 - the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward;
+- connections per worker: wrk's 32 connections, counted in each worker's open sockets (/proc);
 - busy threads: during the 32-connection run, /proc is read every 50 ms for the threads of the
   server's processes that are running (state R); the mean and the largest count;
 - for ONNX runtimes, the share of each of the first 50 queries' top-10 ids that torch's top-10
@@ -208,6 +209,31 @@ def running_threads(pids: list[int]) -> tuple[int, int]:
     return running, total
 
 
+def connections_per_process(pids: list[int], port: int) -> list[int]:
+    """Established TCP connections to `port` that each process holds (most first): how the
+    load's connections were spread over the workers."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "01":
+                inodes.add(fields[9])
+    counts = []
+    for pid in pids:
+        held = 0
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    link = os.readlink(fd)
+                except OSError:
+                    continue
+                held += link.startswith("socket:[") and link[8:-1] in inodes
+        except OSError:
+            continue
+        counts.append(held)
+    return sorted((c for c in counts if c), reverse=True)
+
+
 def wait_idle(pids: list[int], limit_s: float = 300.0) -> None:
     """Until no thread of the server runs for half a second (queued requests answered)."""
     quiet, t0 = 0, time.monotonic()
@@ -298,6 +324,7 @@ def served(
         t = threading.Thread(target=run_load)  # wrk runs while /proc is read here
         t.start()
         time.sleep(min(2.0, seconds / 4))  # past the ramp-up
+        spread = connections_per_process(pids, port)
         while t.is_alive():
             samples.append(running_threads(pids))
             time.sleep(0.05)
@@ -315,6 +342,7 @@ def served(
             "busy_threads_mean": statistics.mean(busy),
             "busy_threads_max": max(busy),
             "threads": max((t for _, t in samples), default=0),
+            "connections_per_worker": spread,
             "top10": top_ids(url, bodies, OVERLAP_QUERIES) if top10 else [],
         }
     finally:
@@ -340,13 +368,15 @@ def before_and_after(
                 "qps": srv["32_connections"]["answered_qps"],
                 "p50_ms": srv["1_connection"]["p50_ms"],
                 "batch": srv["encode_batch_mean"],
+                "connections": srv["connections_per_worker"],
             }
         pair["qps_ratio"] = pair["after"]["qps"] / max(1e-9, pair["before"]["qps"])
         b, a = pair["before"], pair["after"]
         print(
             f"  {kind} {runtime}, before -> after: {b['qps']:.1f} -> {a['qps']:.1f} q/s at 32 "
             f"conn. (x{pair['qps_ratio']:.2f}), p50 {b['p50_ms']:.1f} -> {a['p50_ms']:.1f} ms, "
-            f"batch {b['batch']:.1f} -> {a['batch']:.1f}",
+            f"batch {b['batch']:.1f} -> {a['batch']:.1f}, connections per worker "
+            f"{b['connections']} -> {a['connections']}",
             flush=True,
         )
         pairs.append(pair)
@@ -429,6 +459,7 @@ def main() -> None:
                 f"{srv['32_connections']['answered_qps']:8.1f} {row['ratio']:6.2f} "
                 f"{srv['1_connection']['p50_ms']:6.1f}ms {row['p50_over_single_ms']:+7.1f}ms "
                 f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}"
+                f" conn. {srv['connections_per_worker']}"
                 + (
                     f" top-10 vs torch {row['top10_overlap_with_torch']:.3f}"
                     if "top10_overlap_with_torch" in row

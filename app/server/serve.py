@@ -1,7 +1,8 @@
 """`hclip serve --root ROOT [--host H] [--port P] [--workers N]`: the service under uvicorn.
 
-With --workers N, uvicorn's own process manager runs N worker processes on one listening
-socket and starts a new one when a worker dies. Each worker opens the published version itself
+With --workers N, uvicorn's own process manager runs N worker processes, each listening on a
+socket of its own for the address (app.server.worker_sockets says why), and starts a new one
+when a worker dies. Each worker opens the published version itself
 (memory-mapped: the pages are shared through the page cache, not copied), with its own batchers
 and its own poller, so each swaps versions by itself; each accepts connections only once its
 version is loaded and warmed (uvicorn listens after the app's start-up), and /readyz answers 200
@@ -104,8 +105,10 @@ def serve(settings: Settings, on_listening: Callable[[], None] | None = None) ->
     """Serve until stopped. `on_listening` (one process only) is called once the server
     listens, its version loaded: when a user can open the page."""
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     from app.api.auth import Keys
+    from app.server.worker_sockets import SPREADS, ReservedSocket
     from models.extras import require_onnx
 
     Keys.of(settings)  # keys that cannot be had stop the start here, not in every worker
@@ -138,20 +141,25 @@ def serve(settings: Settings, on_listening: Callable[[], None] | None = None) ->
     os.environ["HCLIP_WORKERS_DIR"] = str(workers_dir)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
     log.info("%d workers; PROMETHEUS_MULTIPROC_DIR=%s", settings.workers, metrics_dir)
-    # One socket for every worker: a socket of each worker's own (SO_REUSEPORT, as before this
-    # server ran on uvicorn's workers) served no more (docs/benchmarks/serving.md, "Workers").
+    config = uvicorn.Config(
+        "app.main:create_app",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        log_config=dict_config(),
+        access_log=False,
+        timeout_worker_healthcheck=HEALTHCHECK_S,
+    )
+    # uvicorn.run's own steps for workers, with a socket of each worker's own where the kernel
+    # spreads connections over them (app/server/worker_sockets.py says why)
+    sock = ReservedSocket.bind_to(settings.host, settings.port) if SPREADS else config.bind_socket()
     try:
-        uvicorn.run(
-            "app.main:create_app",
-            factory=True,
-            host=settings.host,
-            port=settings.port,
-            workers=settings.workers,
-            log_config=dict_config(),
-            access_log=False,
-            timeout_worker_healthcheck=HEALTHCHECK_S,
-        )
+        Multiprocess(config, sockets=[sock]).run()
+    except KeyboardInterrupt:  # as uvicorn.run: Ctrl-C stops the workers, then returns
+        pass
     finally:
+        sock.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)
         shutil.rmtree(workers_dir, ignore_errors=True)
 

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -131,12 +132,35 @@ def listening_sockets(port: int) -> int:
     return count
 
 
-def test_a_dead_worker_is_replaced_on_the_same_listening_socket(two_workers) -> None:
+def test_a_burst_of_connections_is_spread_over_the_workers(two_workers) -> None:
+    """32 connections opened at once: on one shared socket the worker woken first could take
+    them all; on a socket of each worker's own (SO_REUSEPORT) the kernel spreads them."""
     url = two_workers[0]
     port = int(url.rsplit(":", 1)[1])
-    # uvicorn's workers share the socket its manager bound: it listens while a worker restarts
-    # (a socket of each worker's own served no more: docs/benchmarks/serving.md, "Workers")
-    assert listening_sockets(port) == 1
+    assert listening_sockets(port) == 2
+    sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(32)]
+    try:
+        for s in sockets:  # every connection is accepted before any is answered
+            s.sendall(b"GET /readyz HTTP/1.1\r\nHost: x\r\n\r\n")
+        answered_by = {}
+        for k, s in enumerate(sockets):
+            head = s.recv(65536).split(b"\r\n\r\n", 1)[0].decode().lower()
+            answered_by[k] = next(
+                line.split(":", 1)[1].strip()
+                for line in head.splitlines()
+                if line.startswith("x-hclip-instance:")
+            )
+    finally:
+        for s in sockets:
+            s.close()
+    per_worker = Counter(answered_by.values())
+    assert len(per_worker) == 2, per_worker
+
+
+def test_each_worker_listens_on_its_own_socket_and_a_dead_one_is_replaced(two_workers) -> None:
+    url = two_workers[0]
+    port = int(url.rsplit(":", 1)[1])
+    assert listening_sockets(port) == 2  # one per worker (app/server/worker_sockets.py)
 
     instances: set[str] = set()
     wait_until(lambda: instances.add(fresh(url, "GET", "/readyz").headers["x-hclip-instance"])
@@ -151,7 +175,7 @@ def test_a_dead_worker_is_replaced_on_the_same_listening_socket(two_workers) -> 
             return False
         if r.status_code == 200:
             instances.add(r.headers["x-hclip-instance"])
-        return len(instances) == 3 and listening_sockets(port) == 1
+        return len(instances) == 3 and listening_sockets(port) == 2
 
     # uvicorn's manager pings each worker every 0.5 s; a worker killed while a ping is in flight
     # is only found dead when the ping times out (the manager holds the pipe's other end too),
