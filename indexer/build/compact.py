@@ -14,7 +14,9 @@ is stored as codes or float16, never as float32 vectors.
 The codes follow a fixed rule: `sq8:rerank=10` unless --spec names other codes. With
 `auto[:recall=R]`, the tuner (indexer.tune) measures inverted files of codes (IVF-SQ8, IVF-PQ,
 re-ranked exactly) against flat search as for a full version, and keeps the fastest that holds
-R; where none is fast enough, the view is sq8 with its re-ranking depth measured for R. At
+R; where none is fast enough, the view is sq8 with its re-ranking depth measured for R. Under
+`auto` the views over one modality's embeddings are measured too, with IVF-PQ codes only
+(EMBEDDING_FAMILIES), and keep the exact float16 scan where none is fast enough. At
 a quarter of float32's bytes it kept recall@10 at 0.998 to 1.000 against float32 exact search
 through the API (benchmarks/bench_compact.py, 20k records x 3 x 128); each build measures and
 records the recall it gets (`recall_at_10`), as for any approximate view.
@@ -56,8 +58,14 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CODES = IndexSpec("sq8", {"rerank": 10})
 CODE_KINDS = ("sq8", "ivfsq", "ivfpq")  # kinds that store codes and re-rank exactly
-# What `auto` measures on a compact version's product views: the tuner's families of codes
+# What `auto` measures on a compact version's views: inverted files of codes. On the product
+# views, IVF-SQ8 (a byte a dimension) or IVF-PQ (4-bit codes, a quarter byte a dimension).
 TUNING = TuneOptions(families=("ivfsq", "ivfpq"))
+# On a view that searches one modality's float16 embeddings, codes come on top of them (the
+# re-ranking reads the embeddings), so only IVF-PQ's, an eighth of the float16 bytes: IVF-SQ8's
+# would add half of them again. Where none serves MIN_SPEEDUP times float32 flat search, the
+# view scans the float16 embeddings exactly.
+EMBEDDING_FAMILIES = ("ivfpq",)
 STORES = {"sq8": "codes:SQ8", "ivfsq": "codes:IVF-SQ8", "ivfpq": "codes:IVF-PQ", "fp16": "float16"}
 
 
@@ -115,8 +123,13 @@ def build_views(
     for query in queries:
         q, t = split_modalities(head.names, query)
         rows = stored.rows_with(t)
-        if len(rows) == 0 or _is_embedding(head, stored, rows, t):
+        if len(rows) == 0:
             entry = _float16_view(stage, head, stored, q, t, rows)
+        elif _is_embedding(head, stored, rows, t):
+            if spec.kind == "auto":
+                entry = _tuned_embedding_codes(stage, head, stored, q, t, rows, spec)
+            else:
+                entry = _float16_view(stage, head, stored, q, t, rows)
         elif spec.kind == "auto":
             entry = _tuned_codes(stage, head, stored, q, spec)
         else:
@@ -170,6 +183,23 @@ def _float16_view(
     }
 
 
+def _tuning(spec: IndexSpec, families: Sequence[str] | None = None) -> TuneOptions:
+    tuning = TUNING if families is None else replace(TUNING, families=families)
+    if spec.params.get("batch"):
+        tuning = replace(tuning, served_batch=int(spec.params["batch"]))
+    return tuning
+
+
+def _codes_picked(stage: Path, q: tuple[str, ...], entry: dict[str, Any]) -> bool:
+    """Whether the tuner kept codes; if not, the float32 vectors it measured on are dropped."""
+    picked = IndexSpec.from_dict(entry["spec"])
+    if picked.kind in CODE_KINDS:
+        entry["stores"] = STORES[picked.kind]
+        return True
+    (stage / artifact.VIEWS / f"{view_name(q)}.npy").unlink(missing_ok=True)
+    return False
+
+
 def _tuned_codes(
     stage: Path, head: Head, stored: StoredRows, q: tuple[str, ...], spec: IndexSpec
 ) -> dict[str, Any]:
@@ -177,16 +207,31 @@ def _tuned_codes(
     search on are dropped); where none serves MIN_SPEEDUP times flat search at the target,
     sq8 with its depth chosen for the target."""
     assert spec.target_recall is not None
-    tuning = TUNING
-    if spec.params.get("batch"):
-        tuning = replace(tuning, served_batch=int(spec.params["batch"]))
-    entry = build_view(stage, head, stored, q, spec, tuning)
-    picked = IndexSpec.from_dict(entry["spec"])
-    if picked.kind in CODE_KINDS:
-        entry["stores"] = STORES[picked.kind]
+    entry = build_view(stage, head, stored, q, spec, _tuning(spec))
+    if _codes_picked(stage, q, entry):
         return entry
-    (stage / artifact.VIEWS / f"{view_name(q)}.npy").unlink(missing_ok=True)
     return _sq8_at_depth(stage, head, stored, q, spec.target_recall, entry.get("tuning"))
+
+
+def _tuned_embedding_codes(
+    stage: Path,
+    head: Head,
+    stored: StoredRows,
+    q: tuple[str, ...],
+    t: tuple[str, ...],
+    rows: np.ndarray,
+    spec: IndexSpec,
+) -> dict[str, Any]:
+    """A view over one modality's embeddings under `auto`: the tuner's inverted file of PQ
+    codes, re-ranked exactly from the float16 embeddings, where one serves MIN_SPEEDUP times
+    flat search at the target; else the exact float16 scan, with the tuner's report."""
+    entry = build_view(stage, head, stored, q, spec, _tuning(spec, EMBEDDING_FAMILIES))
+    if _codes_picked(stage, q, entry):
+        return entry
+    exact = _float16_view(stage, head, stored, q, t, rows)
+    if "tuning" in entry:
+        exact["tuning"] = {"inverted_files": entry["tuning"]}
+    return exact
 
 
 def _sq8_at_depth(

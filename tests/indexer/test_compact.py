@@ -336,6 +336,19 @@ def test_auto_keeps_the_tuners_inverted_file_of_codes_and_no_float32(tmp_path, m
     truth = _exact_top(v, "a", queries, 10)
     _, found = v.views["a"].search(queries, 10)
     assert np.mean([len(set(a) & set(b)) for a, b in zip(truth, found, strict=True)]) >= 9.0
+    # the view over a's embeddings: PQ codes of its own, re-ranked from the float16 embeddings
+    entry = v.manifest["views"]["b+c"]
+    assert entry["spec"]["kind"] == "ivfpq" and entry["stores"] == "codes:IVF-PQ"
+    assert {p["family"] for p in entry["tuning"]["frontier"]} <= {"flat", "ivfpq"}
+    assert not (v.path / "views" / "b+c.faiss").samefile(v.path / "embeddings" / "a.faiss")
+    queries = np.concatenate(
+        list(factor_chunks(v.head, v.stored, np.arange(2000, 2100), ["b", "c"], "query"))
+    )
+    truth = _exact_top(v, "b+c", queries, 10)
+    scores, found = v.views["b+c"].search(queries, 10)
+    assert np.mean([len(set(a) & set(b)) for a, b in zip(truth, found, strict=True)]) >= 9.0
+    a = np.asarray(v.stored.embeddings["a"][found[:, 0]], np.float32)
+    assert np.allclose(scores[:, 0], np.einsum("qd,qd->q", queries, a), rtol=1e-5, atol=1e-6)
     assert verify(v.path) == []
 
     # nothing fast enough: sq8 at the depth measured for the target
@@ -348,6 +361,10 @@ def test_auto_keeps_the_tuners_inverted_file_of_codes_and_no_float32(tmp_path, m
     entry = again.manifest["views"]["a"]
     assert entry["spec"]["kind"] == "sq8" and entry["spec"]["target_recall"] == 0.9
     assert entry["stores"] == "codes:SQ8" and "why" in entry["tuning"]["inverted_files"]
+    entry = again.manifest["views"]["b+c"]  # the exact float16 scan of a's embeddings
+    assert entry["spec"]["kind"] == "fp16" and entry["stores"] == "float16"
+    assert "why" in entry["tuning"]["inverted_files"]
+    assert (again.path / "views" / "b+c.faiss").samefile(again.path / "embeddings" / "a.faiss")
     assert verify(again.path) == []
 
 
