@@ -4,6 +4,7 @@ figures; it is not a test. Do not run it at full size on a shared machine.
     python benchmarks/bench_compact.py [--records 1000000] [--dim 128] [--queries 200]
                                        [--seconds 8] [--workers 2] [--work DIR]
                                        [--compact-spec SPEC ...] [--build-only]
+                                       [--before DIR]
 
 With --work, records and versions already there are kept (a build interrupted leaves no root):
 build once (--build-only, on a busy machine if need be), then serve and measure on a quiet one.
@@ -156,10 +157,10 @@ def query_factors(work: Path, view: str, embs: dict[str, np.ndarray]) -> np.ndar
         return head.query_factor({m: torch.from_numpy(embs[m]) for m in q}, q).numpy()
 
 
-def start(root: Path, workers: int, port: int) -> subprocess.Popen:
-    env = env_for(REPO, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_TTL_S="1")
+def start(root: Path, workers: int, port: int, code: Path = REPO) -> subprocess.Popen:
+    env = env_for(code, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_TTL_S="1")
     cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
-    server = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    server = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
     wait_ready(f"http://127.0.0.1:{port}", server, limit_s=600)
     return server
@@ -234,6 +235,16 @@ def serve_and_measure(
         stop(server)
 
 
+def served_by(root: Path, args: argparse.Namespace, code: Path) -> dict[str, Any]:
+    """The loads alone, served by the checkout `code` (a change's before and after)."""
+    url = f"http://127.0.0.1:{args.port}"
+    server = start(root, args.workers, args.port, code)
+    try:
+        return {view: load(url, view, args.dim, args.seconds) for view in LOADS}
+    finally:
+        stop(server)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--records", type=int, default=1_000_000)
@@ -245,6 +256,12 @@ def main() -> None:
     p.add_argument("--work", type=Path, help="keep records and versions here (default: a temp)")
     p.add_argument("--compact-spec", action="append", help="a compact version's --spec")
     p.add_argument("--build-only", action="store_true", help="make records and versions only")
+    p.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of earlier code (git worktree add DIR REV): each compact version's "
+        "loads served by it too, after this checkout's",
+    )
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-compact-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -273,6 +290,10 @@ def main() -> None:
     sizes = {name: disk_bytes(artifact.current_version_dir(root)) for name, root in roots.items()}
     figures = {name: serve_and_measure(root, args, args.port, embs, ref)
                for name, root in roots.items()}  # fmt: skip
+    if args.before is not None:
+        for name, root in roots.items():
+            if name != "full":
+                figures[name]["served_32_before"] = served_by(root, args, args.before)
     for name in roots:
         if name != "full":
             report(args, name, sizes, figures)
@@ -298,6 +319,14 @@ def report(args: argparse.Namespace, name: str, sizes: dict, figures: dict) -> N
     for view in LOADS:
         f, c = figures["full"]["served_32"][view], figures[name]["served_32"][view]
         print(f"{view:<16}{f['qps']:>10.1f}{f['p50_ms']:>8.1f}{c['qps']:>13.1f}{c['p50_ms']:>8.1f}")
+    if "served_32_before" in figures[name]:
+        print(
+            f"\n{'32 connections':<16}{'before q/s':>12}{'p50 ms':>8}{'after q/s':>11}{'ratio':>7}"
+        )
+        for view in LOADS:
+            b, a = figures[name]["served_32_before"][view], figures[name]["served_32"][view]
+            print(f"{view:<16}{b['qps']:>12.1f}{b['p50_ms']:>8.1f}{a['qps']:>11.1f}"
+                  f"{a['qps'] / max(b['qps'], 1e-9):>7.2f}")  # fmt: skip
 
 
 if __name__ == "__main__":

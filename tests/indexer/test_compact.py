@@ -447,3 +447,28 @@ def test_each_float16_file_is_mapped_once_per_version(corpus) -> None:
     xq = _queries(fresh, corpus[0], "b+c")
     _, rows = fresh.views["b+c"].search(xq, 10)
     assert (rows >= 0).all() and fresh.stored.embeddings["a"].dtype == np.float16
+
+
+def test_a_batch_over_a_float16_view_is_the_scan_of_each_query(corpus, monkeypatch) -> None:
+    """A batch over an exact float16 view reads the rows a block at a time for all its queries
+    (exact.search_float16); it answers what FAISS's float16 scan answers query by query, block
+    edges included."""
+    from indexer.search import exact
+
+    comp = _built(corpus, "comp", "--compact")
+    model, _, _ = corpus
+    float16_views = [name for name, v in comp.views.items() if v.spec.kind == "fp16"]
+    assert float16_views
+    for name in float16_views:
+        view = comp.views[name]
+        monkeypatch.setattr(exact, "WIDEN_BYTES", 4 * view.dim * 37)  # blocks of 37 rows
+        assert view.float16_rows is not None
+        xq = _queries(comp, model, name, n=20)
+        assert len(xq) >= exact.blas_from()
+        s_batch, r_batch = view.search(xq, 10)
+        for q in range(len(xq)):
+            s_one, r_one = view.search(xq[q : q + 1], 10)  # FAISS's scan
+            assert r_one[0].tolist() == r_batch[q].tolist(), (name, q)
+            assert np.allclose(s_one[0], s_batch[q], rtol=1e-5, atol=1e-6)
+        truth = _exact_top(comp, name, xq, 10)
+        assert [set(t) for t in truth.tolist()] == [set(r) for r in r_batch.tolist()]
