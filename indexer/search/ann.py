@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from indexer.search import mips
+from indexer.search import exact, flat_codes, mips
 from indexer.search.specs import INNER_PRODUCT_KINDS, IndexSpec, search_params
 
 ExactVectors = Callable[[np.ndarray], np.ndarray]  # positions (n,) -> (n, dim) float32
@@ -74,8 +74,14 @@ def search(
     fetch = k * depth if depth else k
     if spec.kind == "hnsw" and effort_used(spec, effort, k) != spec.effort:
         effort = effort_used(spec, effort, k)  # else the index's own ef_search is the one
-    params = search_params(index, spec, effort, allowed)
-    dist, pos = index.search(mips.pad_queries(xq, width), fetch, params=params)
+    batched = None
+    if allowed is None and len(xq) >= exact.blas_from():  # flat codes: read once for the batch
+        batched = flat_codes.batch_search(index, xq, fetch)
+    if batched is not None:
+        dist, pos = batched
+    else:
+        params = search_params(index, spec, effort, allowed)
+        dist, pos = index.search(mips.pad_queries(xq, width), fetch, params=params)
     if not depth:  # rerank=1 still re-scores: a compact version's scores are always exact
         ip = spec.kind in INNER_PRODUCT_KINDS
         scores = dist if ip else mips.inner_products(xq, dist, max_norm)

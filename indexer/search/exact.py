@@ -11,11 +11,8 @@ positions of equal score; every returned score is the exact inner product of its
 
 from __future__ import annotations
 
-import warnings
-
 import faiss
 import numpy as np
-import torch
 
 GATHER_BYTES = 16 << 20  # allowed rows copied out per block under a filter
 # Exact search runs FAISS's BLAS products from this many queries, its per-query scan below:
@@ -62,37 +59,6 @@ def search(xq: np.ndarray, xb: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarr
     finally:
         faiss.omp_set_num_threads(threads)
     return scores, pos
-
-
-# float16 rows widened to float32 a block at a time: this many bytes of float32 a block
-WIDEN_BYTES = 8 << 20
-
-
-def search_float16(xq: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Exact search of a batch over (N, d) float16 rows (a compact version's embeddings): a
-    block of rows at a time is widened to float32 (torch's copy, SIMD: numpy's cast took five
-    times as long) and searched by `search` (BLAS products), the blocks merged in
-    faiss.ResultHeap. FAISS's own float16 scan reads every row once per query; this reads each
-    once per batch (1M x 128 on one thread, 16 queries: 113-119 q/s against 49,
-    docs/benchmarks/compact.md)."""
-    n, dim = rows.shape
-    k = min(k, n)
-    if k == 0 or len(xq) == 0:
-        return _empty(len(xq))
-    xq = np.ascontiguousarray(xq, dtype=np.float32)
-    with warnings.catch_warnings():  # the rows are read-only: nothing here writes to them
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.from_numpy(rows)
-    block = max(1, WIDEN_BYTES // (4 * max(1, dim)))
-    buffer = torch.empty((min(block, n), dim), dtype=torch.float32)
-    heap = faiss.ResultHeap(len(xq), k, keep_max=True)
-    for start in range(0, n, block):
-        widened = buffer[: min(block, n - start)]
-        widened.copy_(source[start : start + block])
-        scores, pos = search(xq, widened.numpy(), k)
-        heap.add_result(scores, np.where(pos >= 0, pos + start, -1))
-    heap.finalize()
-    return heap.D, heap.I
 
 
 def search_allowed(

@@ -57,8 +57,6 @@ class View:
     width: int | None = None
     # approximate: position -> exact vectors, recomputed from the stored embeddings
     exact_vectors: Callable[[np.ndarray], np.ndarray] | None = None
-    # an exact float16 view (`fp16`): its (count, dim) rows, the codes of `index`
-    float16_rows: np.ndarray | None = None
     remote: bool = False
 
     @property
@@ -91,9 +89,6 @@ class View:
                 scores, pos = lone_query.search(xq, self.vectors, k)
             else:
                 scores, pos = exact.search_allowed(xq, self.vectors, k, allowed)
-        elif self.float16_rows is not None and allowed is None and len(xq) >= exact.blas_from():
-            # a batch: the rows read once for all its queries (FAISS's scan reads them per query)
-            scores, pos = exact.search_float16(xq, self.float16_rows, k)
         else:
             scores, pos = self._approximate(xq, k, allowed, effort)
         rows = np.where(pos >= 0, np.asarray(self.rows)[np.clip(pos, 0, None)], -1)

@@ -115,7 +115,6 @@ class LoadedVersion:
             path = base / f"{name}.faiss"
             if spec.kind == "fp16":  # the embeddings file itself, where the view links to it
                 view.index = self._fp16_index(path)
-                view.float16_rows = fp16_file.rows_of(view.index)
             else:
                 # flat codes stay memory-mapped, their pages shared between workers and versions
                 flag = faiss.IO_FLAG_MMAP_IFC if mmap and spec.kind in FLAT_CODE_KINDS else 0

@@ -141,18 +141,25 @@ def test_filters_on_compact_views(corpus, monkeypatch, selective: bool) -> None:
         assert np.allclose(s_comp, s_full, rtol=1e-2, atol=1e-3 * np.abs(s_full).max())
 
 
-def test_rerank_factor_sets_the_candidates_and_scores_stay_exact(corpus) -> None:
+def test_rerank_factor_sets_the_candidates_and_scores_stay_exact(corpus, monkeypatch) -> None:
+    from indexer.search import flat_codes
+
     comp = _built(corpus, "compact", "--compact", "--spec", "sq8:rerank=30")
     view = comp.views["a"]
     xq = _queries(comp, corpus[0], "a")
     calls: list[int] = []
-    search = view.index.search
+    search, batch_search = view.index.search, flat_codes.batch_search
 
     def counting(x, k, params=None):
         calls.append(k)
         return search(x, k, params=params)
 
+    def counting_batch(index, x, k):
+        calls.append(k)
+        return batch_search(index, x, k)
+
     view.index.search = counting
+    monkeypatch.setattr(flat_codes, "batch_search", counting_batch)
     try:
         ann.use_rerank_factor(2)
         scores, rows = view.search(xq, 5)
@@ -449,26 +456,32 @@ def test_each_float16_file_is_mapped_once_per_version(corpus) -> None:
     assert (rows >= 0).all() and fresh.stored.embeddings["a"].dtype == np.float16
 
 
-def test_a_batch_over_a_float16_view_is_the_scan_of_each_query(corpus, monkeypatch) -> None:
-    """A batch over an exact float16 view reads the rows a block at a time for all its queries
-    (exact.search_float16); it answers what FAISS's float16 scan answers query by query, block
-    edges included."""
-    from indexer.search import exact
+def test_a_batch_over_flat_codes_is_faiss_scan_of_each_query(corpus, monkeypatch) -> None:
+    """A batch over float16 rows or 8-bit codes reads them a block at a time for all its
+    queries (indexer.search.flat_codes); it finds what FAISS's scan finds query by query, with
+    the same scores, block edges included; the views then answer the same."""
+    from indexer.search import exact, flat_codes
 
     comp = _built(corpus, "comp", "--compact")
     model, _, _ = corpus
-    float16_views = [name for name, v in comp.views.items() if v.spec.kind == "fp16"]
-    assert float16_views
-    for name in float16_views:
-        view = comp.views[name]
-        monkeypatch.setattr(exact, "WIDEN_BYTES", 4 * view.dim * 37)  # blocks of 37 rows
-        assert view.float16_rows is not None
+    kinds = {name: v.spec.kind for name, v in comp.views.items()}
+    assert set(kinds.values()) == {"fp16", "sq8"}, kinds
+    for name, view in comp.views.items():
+        monkeypatch.setattr(flat_codes, "WIDEN_BYTES", 4 * view.dim * 37)  # blocks of 37 rows
         xq = _queries(comp, model, name, n=20)
         assert len(xq) >= exact.blas_from()
+        batched = flat_codes.batch_search(view.index, xq, 50)
+        assert batched is not None
+        s_scan, p_scan = view.index.search(xq, 50)
+        assert np.allclose(batched[0], s_scan, rtol=1e-5, atol=1e-5 * np.abs(s_scan).max())
+        overlap = np.mean([len(set(a) & set(b)) for a, b in zip(batched[1], p_scan, strict=True)])
+        assert overlap >= 49.5, (name, overlap)  # but where two codes score the same
         s_batch, r_batch = view.search(xq, 10)
         for q in range(len(xq)):
             s_one, r_one = view.search(xq[q : q + 1], 10)  # FAISS's scan
-            assert r_one[0].tolist() == r_batch[q].tolist(), (name, q)
             assert np.allclose(s_one[0], s_batch[q], rtol=1e-5, atol=1e-6)
+            assert len(set(r_one[0].tolist()) & set(r_batch[q].tolist())) >= 9, (name, q)
         truth = _exact_top(comp, name, xq, 10)
-        assert [set(t) for t in truth.tolist()] == [set(r) for r in r_batch.tolist()]
+        pairs = zip(truth.tolist(), r_batch.tolist(), strict=True)
+        hits = np.mean([len(set(t) & set(r)) for t, r in pairs])
+        assert hits >= 9.9, (name, hits)
