@@ -136,8 +136,17 @@ def build_views(
             entry = build_view(stage, head, stored, q, spec)
             entry["stores"] = STORES[spec.kind]
         log.info("view %s stores %s", view_name(q), entry["stores"])
+        narrow_rows(stage / artifact.VIEWS / f"{view_name(q)}.rows.npy")
         entries.append(entry)
     return entries
+
+
+def narrow_rows(path: Path) -> None:
+    """A view's rows file as int32 where every row fits (fewer than 2**31 records): half the
+    bytes of int64, read the same (docs/design.md §5)."""
+    rows = np.load(path)
+    if rows.dtype != np.int32 and (rows.size == 0 or int(rows.max()) < 2**31):
+        np.save(path, rows.astype(np.int32))
 
 
 def _is_embedding(head: Head, stored: StoredRows, rows: np.ndarray, t: tuple[str, ...]) -> bool:

@@ -485,3 +485,11 @@ def test_a_batch_over_flat_codes_is_faiss_scan_of_each_query(corpus, monkeypatch
         pairs = zip(truth.tolist(), r_batch.tolist(), strict=True)
         hits = np.mean([len(set(t) & set(r)) for t, r in pairs])
         assert hits >= 9.9, (name, hits)
+
+
+def test_a_compact_versions_rows_files_are_int32(corpus) -> None:
+    comp = _built(corpus, "comp", "--compact")
+    for name, view in comp.views.items():
+        rows = np.load(comp.path / "views" / f"{name}.rows.npy")
+        assert rows.dtype == np.int32 and np.array_equal(rows, np.asarray(view.rows)), name
+    assert verify(comp.path) == []
