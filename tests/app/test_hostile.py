@@ -3,9 +3,11 @@ slow encodes answer 503 within the deadline, and a bug is a clean 500 with a req
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
+import queue
 import time
 import wave
 from concurrent.futures import ThreadPoolExecutor
@@ -249,7 +251,19 @@ def test_overload_answers_503_with_retry_after_and_memory_stays_flat(media_root:
         media_root, max_pending=4, request_timeout_s=2.0, max_media_bytes=8 * 1024 * 1024
     )
     png = slow_png()
-    with running(settings) as client:
+    with running(settings) as client, contextlib.ExitStack() as stack:
+        # A client per flooding thread: httpcore's pool shared by 48 threads once closed a
+        # socket another thread was reading (ReadError: Bad file descriptor, in CI).
+        clients: queue.SimpleQueue[httpx.Client] = queue.SimpleQueue()
+        for _ in range(48):
+            clients.put(stack.enter_context(httpx.Client(base_url=client.base_url, timeout=20)))
+
+        def post(body: dict) -> httpx.Response:
+            own = clients.get()
+            try:
+                return own.post("/v1/search", json=body)
+            finally:
+                clients.put(own)
 
         def flood(first: int) -> list[httpx.Response]:
             bodies = [
@@ -257,7 +271,7 @@ def test_overload_answers_503_with_retry_after_and_memory_stays_flat(media_root:
                 for i in range(first, first + 96)
             ]
             with ThreadPoolExecutor(48) as pool:
-                return list(pool.map(lambda b: client.post("/v1/search", json=b), bodies))
+                return list(pool.map(post, bodies))
 
         flood(0)  # warm: allocator pools, thread stacks
         before = rss_mb()
