@@ -14,7 +14,8 @@ search itself costs microseconds beside a tower). For each query modality and ru
 - limit: the bare tower on all cores, inputs decoded beforehand: its single forward (median of
   batch-1 calls, one process with every core's thread) and its throughput at the batch size the
   service formed at 32 connections (read from /metrics), the larger of one process with every
-  core's thread and one process per worker with its share, run together;
+  core's thread and one process per worker with its share (tokenizers without
+  its Rayon pool, as `hclip serve` runs it), run together;
 - served: `hclip serve --workers CORES`, caches off (HCLIP_CACHE_MAX_BYTES=0, no Redis), queries
   drawn in turn from a pool of distinct inputs (text: every query its own sentence), by wrk at
   1 connection (p50) and 32 connections (q/s answered with results; the request deadline is
@@ -152,6 +153,8 @@ def bare(
         env = bench_towers.env_for(
             threads, HCLIP_ENCODER_RUNTIME=runtime, HCLIP_TORCH_THREADS=str(threads)
         )
+        if not single:  # processes beside each other run tokenizers as the service does
+            env["TOKENIZERS_PARALLELISM"] = "false"
         argv = [str(model), name, str(batch), str(pool), str(seconds), str(start_at)]
         return subprocess.Popen(
             [sys.executable, "-c", BARE, *argv, "1" if single else "0"],

@@ -154,27 +154,33 @@ def test_help_and_argument_errors_import_no_torch(argv: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("given", "policy", "spin"),
+    ("given", "policy", "spin", "tokenizers"),
     [
-        ({}, "PASSIVE", "100000"),
-        ({"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE", "0"),
+        ({}, "PASSIVE", "100000", "false"),
+        (
+            {"GOMP_SPINCOUNT": "0", "OMP_WAIT_POLICY": "ACTIVE", "TOKENIZERS_PARALLELISM": "true"},
+            "ACTIVE", "0", "true",
+        ),
     ],
-)
-def test_serving_sets_openmp_waits_before_torch_loads_and_keeps_the_users(
-    given: dict[str, str], policy: str, spin: str
+)  # fmt: skip
+def test_serving_sets_thread_waits_before_torch_loads_and_keeps_the_users(
+    given: dict[str, str], policy: str, spin: str, tokenizers: str
 ) -> None:
     """`hclip serve`: idle OpenMP threads sleep after a short spin (libgomp reads both once, when
-    torch loads); values the user set are kept."""
+    torch loads), and tokenizers runs no Rayon pool of its own; values the user set are kept."""
     code = (
         "import os, sys\n"
         "from app.cli import main\n"
         "try:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
-        "print(os.environ['OMP_WAIT_POLICY'], os.environ['GOMP_SPINCOUNT'], 'torch' in sys.modules)"
+        "e = os.environ\n"
+        "print(e['OMP_WAIT_POLICY'], e['GOMP_SPINCOUNT'], e['TOKENIZERS_PARALLELISM'],"
+        " 'torch' in sys.modules)"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    ours = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "TOKENIZERS_PARALLELISM")
+    env = {k: v for k, v in os.environ.items() if k not in ours}
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, env={**env, **given, "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split()[-3:] == [policy, spin, "False"]
+    assert done.stdout.split()[-4:] == [policy, spin, tokenizers, "False"]
