@@ -111,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         os.environ.setdefault("GOMP_SPINCOUNT", SPIN_BEFORE_SLEEP)
         # Tokenizers' Rayon pool (a thread per core in every worker) spins in sched_yield after
-        # each batch, beside the towers: 2 workers on 2 cores ran 4.7 threads for 2.2 without it
-        # and answered 7-12% fewer text queries (docs/benchmarks/tower_serving.md). A query
+        # each batch, taking cores from the towers (docs/benchmarks/tower_serving.md): a query
         # batch's sentences are tokenised in the encode thread instead.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser(_command(argv)).parse_args(argv)
