@@ -5,6 +5,7 @@ figures; it is not a test (a shared machine is noisy).
     python benchmarks/bench_tower_serving.py --runtimes torch,onnx,onnx-int8 --modalities text
     python benchmarks/bench_tower_serving.py --work DIR --seconds 10   # towers and index kept
     python benchmarks/bench_tower_serving.py --before ../before --rounds 3  # a change's effect
+    python benchmarks/bench_tower_serving.py --repeat 3     # each ratio's spread, in turn
 
 The towers and records are bench_towers.py's: ViT-B/16 (224 x 224), wav2vec 2.0 base (5-s clips
 at 16 kHz) random-initialised from `transformers`' config classes, and the packaged MiniLM; the
@@ -20,7 +21,9 @@ search itself costs microseconds beside a tower). For each query modality and ru
   drawn in turn from a pool of distinct inputs (text: every query its own sentence), by wrk at
   1 connection (p50) and 32 connections (q/s answered with results; the request deadline is
   raised to the load's timeout, so that a queue of slow queries is measured, not the deadline);
-- the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward;
+- the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward; with
+  --repeat N, served and limit are measured N times in turn, and their medians and ranges
+  printed (on a shared VM a lone ratio moves by a tenth or more between runs);
 - connections per worker: wrk's 32 connections, counted in each worker's open sockets (/proc);
 - busy threads: during the 32-connection run, /proc is read every 50 ms for the threads of the
   server's processes that are running (state R); the mean and the largest count;
@@ -34,6 +37,7 @@ import argparse
 import base64
 import functools
 import io
+import itertools
 import json
 import os
 import re
@@ -168,7 +172,7 @@ def bare(
         return dict(json.loads(out.strip().splitlines()[-1]))
 
     one = result(start(cores, True, 0.0))
-    at = time.time() + 60.0  # every process loaded and warm by then
+    at = time.time() + 30.0  # every process loaded and warm by then
     procs = [start(max(1, cores // workers), False, at) for _ in range(workers)]
     shared = sum(result(p)["qps"] for p in procs)
     return {
@@ -386,6 +390,19 @@ def before_and_after(
     return pairs
 
 
+def spread(rows: list[dict[str, Any]], kind: str, runtime: str, threads: str) -> None:
+    """The median and range of a runtime's repeated served / limit and p50 - single forward."""
+    mine = [r for r in rows if (r["query"], r["runtime"], r["threads"]) == (kind, runtime, threads)]
+    for key, fmt in (("ratio", "{:.2f}"), ("p50_over_single_ms", "{:+.1f} ms")):
+        got = sorted(r[key] for r in mine)
+        print(
+            f"  {kind} {runtime}/{threads}, {len(got)} repeats: {key} median "
+            + fmt.format(statistics.median(got))
+            + f" (from {fmt.format(got[0])} to {fmt.format(got[-1])})",
+            flush=True,
+        )
+
+
 def build_index(model: Path, records: Path, root: Path) -> None:
     if (root / "CURRENT").exists():
         return
@@ -418,6 +435,13 @@ def main() -> None:
         "one, --rounds times, for each query and runtime (default threads)",
     )
     p.add_argument("--rounds", type=int, default=2, help="before/after pairs (with --before)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="served and limit measured this many times in turn for each runtime: the ratios' "
+        "median and range (this machine's noise moves a lone ratio by tenths)",
+    )
     args = p.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="hclip-tower-serving-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -441,12 +465,12 @@ def main() -> None:
         # A load must hold many answers at 32 connections: slower towers get longer ones.
         seconds = args.seconds * {"text": 1, "image": 4, "audio": 8}[kind]
         configs = [(r, t) for r in args.runtimes.split(",") for t in args.torch_threads.split(",")]
-        for runtime, threads in configs:
+        for (runtime, threads), repeat in itertools.product(configs, range(args.repeat)):
             srv = served(root, name, bodies, seconds, runtime, threads, args.port, timeout_s)
             batch = max(1, round(srv["encode_batch_mean"]))
             lim = bare(model, name, batch, values, min(args.seconds, 15.0), runtime)
-            row = {"query": kind, "runtime": runtime, "threads": threads, "limit": lim,
-                   "served": srv}  # fmt: skip
+            row = {"query": kind, "runtime": runtime, "threads": threads, "repeat": repeat,
+                   "limit": lim, "served": srv}  # fmt: skip
             row["ratio"] = srv["32_connections"]["answered_qps"] / lim["qps"]
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
             torch_row = next((r for r in figures["rows"] if r["query"] == kind
@@ -470,7 +494,9 @@ def main() -> None:
                 ),
                 flush=True,
             )
-            if args.before is not None and threads == "auto":
+            if repeat == args.repeat - 1 > 0:
+                spread(figures["rows"], kind, runtime, threads)
+            if args.before is not None and threads == "auto" and repeat == 0:
                 serve = functools.partial(
                     served, root, name, bodies, seconds, runtime, "auto", args.port, timeout_s
                 )

@@ -1,15 +1,13 @@
 """POST /v1/search, POST /v1/search/batch and POST /v1/embed: thin adapters over
-app.services.search. The key is checked (the router's dependency) before the body is read."""
+app.services.search. Each takes its inputs from deps.search_inputs, which checks the key before
+the body is read."""
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from app.api.auth import ReadKey
-from app.api.deps import Serving, State
+from app.api.deps import search_inputs
 from app.api.docs import errors
 from app.api.http import body_schema, json_body
 from app.api.schemas import (
@@ -21,8 +19,11 @@ from app.api.schemas import (
     SearchResponse,
 )
 
-router = APIRouter(dependencies=[ReadKey])
+router = APIRouter()
 JSON = "application/json"
+parse_search = json_body(SearchRequest)
+parse_batch = json_body(BatchSearchRequest)
+parse_embed = json_body(EmbedRequest)
 
 
 @router.post(
@@ -32,11 +33,8 @@ JSON = "application/json"
     openapi_extra=body_schema(SearchRequest),
     summary="Nearest records for a query of one or more modalities",
 )
-async def search(
-    body: Annotated[SearchRequest, Depends(json_body(SearchRequest))],
-    state: State,
-    serving: Serving,
-) -> Response:
+async def search(request: Request) -> Response:
+    body, state, serving = await search_inputs(request, parse_search)
     checked = state.checks.search(serving, body)
     return Response(await state.search.search(serving, checked), media_type=JSON)
 
@@ -48,11 +46,8 @@ async def search(
     openapi_extra=body_schema(BatchSearchRequest),
     summary="Several searches in one request, answered in order, each with its own error",
 )
-async def search_batch(
-    body: Annotated[BatchSearchRequest, Depends(json_body(BatchSearchRequest))],
-    state: State,
-    serving: Serving,
-) -> Response:
+async def search_batch(request: Request) -> Response:
+    body, state, serving = await search_inputs(request, parse_batch)
     checked = state.checks.batch(serving, body.queries)
     return Response(await state.search.search_batch(serving, checked), media_type=JSON)
 
@@ -64,10 +59,7 @@ async def search_batch(
     openapi_extra=body_schema(EmbedRequest),
     summary="Embeddings of raw inputs of one modality",
 )
-async def embed(
-    body: Annotated[EmbedRequest, Depends(json_body(EmbedRequest))],
-    state: State,
-    serving: Serving,
-) -> Response:
+async def embed(request: Request) -> Response:
+    body, state, serving = await search_inputs(request, parse_embed)
     checked = state.checks.embed(serving, body.modality, body.inputs)
     return Response(await state.search.embed(serving, checked), media_type=JSON)
