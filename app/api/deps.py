@@ -45,8 +45,8 @@ async def search_inputs(
 ) -> tuple[M, AppState, ServingVersion]:
     """A search route's inputs, in the order its dependencies would give them: the read key
     checked, then the body read and parsed, then the served version. Called by the route, not
-    through Depends: FastAPI solving four dependencies took a third of the event loop's time
-    per search (docs/benchmarks/tower_serving.md)."""
+    through Depends: solving them was the largest single cost in a profile of the event loop
+    serving searches (docs/benchmarks/tower_serving.md)."""
     await read_key(request)
     body = await parse(request)
     state: AppState = request.app.state.hclip
