@@ -112,8 +112,22 @@ def assert_same_version(a: LoadedVersion, b: LoadedVersion) -> None:
     for name in a.views:
         sa, ra = a.views[name].search(xq, 10)
         sb, rb = b.views[name].search(xq, 10)
-        assert np.array_equal(ra, rb), name
         assert np.allclose(sa, sb, atol=1e-5), name
+        for q in range(len(xq)):
+            assert same_ranking(sa[q], ra[q], rb[q], 1e-5), (name, q, ra[q], rb[q])
+
+
+def same_ranking(scores: np.ndarray, a: np.ndarray, b: np.ndarray, tol: float) -> bool:
+    """The same ids in the same order, except within runs of scores closer than `tol`: the two
+    engines' embeddings agree to float rounding (each engine's BLAS sums in its own order), so
+    near-tied records may come in either order, and the last run may be cut off by k."""
+    start = 0
+    for end in range(1, len(scores) + 1):
+        if end == len(scores) or abs(scores[end] - scores[end - 1]) > tol:
+            if end < len(scores) and set(a[start:end]) != set(b[start:end]):
+                return False
+            start = end
+    return True
     assert verify(a.path) == [] and verify(b.path) == []
 
 
