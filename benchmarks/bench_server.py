@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -204,6 +205,7 @@ def wrk(
     default is 2 s: a slow workload at 32 connections needs more)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(script)
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         out = subprocess.run(
             ["wrk", "-t1", f"-c{connections}", f"-d{max(1, round(seconds))}s", "--latency",
@@ -212,6 +214,8 @@ def wrk(
         ).stdout  # fmt: skip
     finally:
         os.unlink(f.name)
+    now = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu_s = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
     pct = dict(re.findall(r"^\s+(50|99)%\s+(\S+)\s*$", out, re.M))
     bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     timeouts = re.search(r"timeout (\d+)", out)
@@ -224,6 +228,8 @@ def wrk(
         "requests": int(re.search(r"(\d+) requests in", out).group(1)),  # type: ignore[union-attr]
         "non_2xx": int(bad.group(1)) if bad else 0,
         "timeouts": int(timeouts.group(1)) if timeouts else 0,
+        # wrk's own CPU over the load, in cores: on one machine it shares them with the server
+        "client_cores": cpu_s / max(1, round(seconds)),
     }
 
 

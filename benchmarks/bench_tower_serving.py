@@ -6,6 +6,7 @@ figures; it is not a test (a shared machine is noisy).
     python benchmarks/bench_tower_serving.py --work DIR --seconds 10   # towers and index kept
     python benchmarks/bench_tower_serving.py --before ../before --rounds 3  # a change's effect
     python benchmarks/bench_tower_serving.py --repeat 3     # each ratio's spread, in turn
+    python benchmarks/bench_tower_serving.py --per-request 1,8  # and 8 queries a request
 
 The towers and records are bench_towers.py's: ViT-B/16 (224 x 224), wav2vec 2.0 base (5-s clips
 at 16 kHz) random-initialised from `transformers`' config classes, and the packaged MiniLM; the
@@ -13,15 +14,20 @@ H-CLIP model over them is untrained (d = 256), and its index holds --records rec
 search itself costs microseconds beside a tower). For each query modality and runtime
 (HCLIP_ENCODER_RUNTIME), in one run:
 - limit: the bare tower on all cores, inputs decoded beforehand: its single forward (median of
-  batch-1 calls, one process with every core's thread) and its throughput at the batch size the
-  service formed at 32 connections (read from /metrics), the larger of one process with every
-  core's thread and one process per worker with its share (tokenizers without
-  its Rayon pool, as `hclip serve` runs it), run together;
+  batch-1 calls, one process with every core's thread), the median decode of those raw inputs
+  timed apart (what a raw query costs before its forward; the bar on p50 does not allow for
+  it), and its throughput at the batch size the service formed at 32 connections (read from
+  /metrics), the larger of one process with every core's thread and one process per worker
+  with its share (tokenizers without its Rayon pool, as `hclip serve` runs it), run together;
 - served: `hclip serve --workers CORES`, caches off (HCLIP_CACHE_MAX_BYTES=0, no Redis), queries
   drawn in turn from a pool of distinct inputs (text: every query its own sentence), by wrk at
   1 connection (p50) and 32 connections (q/s answered with results; the request deadline is
   raised to the load's timeout, so that a queue of slow queries is measured, not the deadline);
-- the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward; with
+- with --per-request N > 1, the same distinct queries go N to a /v1/search/batch request, and
+  served q/s counts queries: what a client's own batching buys (the bars are on single queries);
+- wrk's own CPU during the 32-connection load, in cores (it shares this machine's cores);
+- the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward (and p50
+  - decode - single forward: what the service adds beyond a raw query's own work); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
 - connections per worker: wrk's 32 connections, counted in each worker's open sockets (/proc);
@@ -74,7 +80,7 @@ for line in io.lines("%s") do bodies[#bodies + 1] = line end
 local i = %d
 request = function()
   i = i %% #bodies + 1
-  return wrk.format(nil, "/v1/search", nil, bodies[i])
+  return wrk.format(nil, "%s", nil, bodies[i])
 end
 """
 
@@ -124,15 +130,18 @@ seconds, start_at = float(sys.argv[5]), float(sys.argv[6])
 values = json.load(open(sys.argv[4]))
 cfg = model.cfg.modalities[name]
 items = [decode(v, cfg, None, DEFAULT_LIMITS) for v in values]
-singles = []
+singles, decodes = [], []
 with torch.inference_mode():
     for x in items[:3]:
         model.encode(name, [x])  # loaded, exported where the runtime exports, warm
     if sys.argv[7] == "1":
-        for x in items[: max(5, min(30, len(items)))]:
+        for v, x in list(zip(values, items))[: max(5, min(30, len(items)))]:
             t0 = time.perf_counter()
+            decode(v, cfg, None, DEFAULT_LIMITS)  # what a raw query costs before its forward
+            t1 = time.perf_counter()
             model.encode(name, [x])
-            singles.append(time.perf_counter() - t0)
+            singles.append(time.perf_counter() - t1)
+            decodes.append(t1 - t0)
     model.encode(name, items[:batch])
     time.sleep(max(0.0, start_at - time.time()))  # processes measured together start together
     n, t0 = 0, time.perf_counter()
@@ -141,6 +150,7 @@ with torch.inference_mode():
         model.encode(name, items[s : s + batch]); n += batch
     took = time.perf_counter() - t0
 print(json.dumps({"single_ms": 1e3 * statistics.median(singles) if singles else None,
+                  "decode_ms": 1e3 * statistics.median(decodes) if decodes else None,
                   "qps": n / took}))
 """
 
@@ -177,6 +187,7 @@ def bare(
     shared = sum(result(p)["qps"] for p in procs)
     return {
         "single_ms": one["single_ms"],
+        "decode_ms": one["decode_ms"],
         "batch": batch,
         "qps_one_process": one["qps"],
         "qps_per_worker_processes": shared,
@@ -289,9 +300,13 @@ def served(
     timeout_s: float,
     code: Path = REPO,
     top10: bool = True,
+    per_request: int = 1,
 ) -> dict[str, Any]:
     """`hclip serve` from the checkout `code` (this one by default) under the loads; with
-    `top10`, the first queries' top-10 ids too (runtimes compared)."""
+    `top10`, the first queries' top-10 ids too (runtimes compared). With `per_request` > 1,
+    each line of `bodies` holds that many queries, sent to /v1/search/batch, and q/s counts
+    queries."""
+    path = "/v1/search" if per_request == 1 else "/v1/search/batch"
     workers = usable_cores()
     env = bench_server.env_for(
         code, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
@@ -314,17 +329,18 @@ def served(
         bench_server.wait_ready(url, server, limit_s=1800.0)
         n = len(bodies.read_text().splitlines())
         warm = max(4.0, seconds / 4)
-        bench_server.wrk(url, 32, warm, WRK_POOL % (bodies, n // 2), timeout_s)  # every worker
+        # every worker warm
+        bench_server.wrk(url, 32, warm, WRK_POOL % (bodies, n // 2, path), timeout_s)
         pids = server_pids(server.pid)
         wait_idle(pids)  # the requests wrk left queued are answered before the next load
-        one = bench_server.wrk(url, 1, seconds, WRK_POOL % (bodies, 0), timeout_s)
+        one = bench_server.wrk(url, 1, seconds, WRK_POOL % (bodies, 0, path), timeout_s)
         wait_idle(pids)
         samples: list[tuple[int, int]] = []
         result: dict[str, Any] = {}
 
         def run_load() -> None:
             result.update(
-                bench_server.wrk(url, 32, seconds, WRK_POOL % (bodies, n // 3), timeout_s)
+                bench_server.wrk(url, 32, seconds, WRK_POOL % (bodies, n // 3, path), timeout_s)
             )
 
         before = encode_batches(url, name)
@@ -336,7 +352,7 @@ def served(
             samples.append(running_threads(pids))
             time.sleep(0.05)
         t.join()
-        result["answered_qps"] = answered(result)
+        result["answered_qps"] = answered(result) * per_request
         wait_idle(pids)
         after = encode_batches(url, name)
         calls = after[1] - before[1]
@@ -350,7 +366,7 @@ def served(
             "busy_threads_max": max(busy),
             "threads": max((t for _, t in samples), default=0),
             "connections_per_worker": spread,
-            "top10": top_ids(url, bodies, OVERLAP_QUERIES) if top10 else [],
+            "top10": top_ids(url, bodies, OVERLAP_QUERIES) if top10 and per_request == 1 else [],
         }
     finally:
         bench_server.stop(server)
@@ -390,13 +406,13 @@ def before_and_after(
     return pairs
 
 
-def spread(rows: list[dict[str, Any]], kind: str, runtime: str, threads: str) -> None:
+def spread(rows: list[dict[str, Any]], kind: str, label: str) -> None:
     """The median and range of a runtime's repeated served / limit and p50 - single forward."""
-    mine = [r for r in rows if (r["query"], r["runtime"], r["threads"]) == (kind, runtime, threads)]
+    mine = [r for r in rows if (r["query"], r["label"]) == (kind, label)]
     for key, fmt in (("ratio", "{:.2f}"), ("p50_over_single_ms", "{:+.1f} ms")):
         got = sorted(r[key] for r in mine)
         print(
-            f"  {kind} {runtime}/{threads}, {len(got)} repeats: {key} median "
+            f"  {kind} {label}, {len(got)} repeats: {key} median "
             + fmt.format(statistics.median(got))
             + f" (from {fmt.format(got[0])} to {fmt.format(got[-1])})",
             flush=True,
@@ -426,6 +442,12 @@ def main() -> None:
         default="auto",
         help="HCLIP_TORCH_THREADS values to serve with, comma-separated (auto: the default)",
     )
+    p.add_argument(
+        "--per-request",
+        default="1",
+        help="queries per request, comma-separated: past 1, a client sends that many queries in "
+        "one /v1/search/batch request (the bars are on 1; more shows what batching buys)",
+    )
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     p.add_argument(
@@ -452,41 +474,59 @@ def main() -> None:
     build_index(model, records, root)
     figures: dict[str, Any] = {"cpu": bench_server.cpu_model(), "cores": cores, "rows": []}
     print(f"{figures['cpu']}, {cores} cores; workers = {cores}; loads of {args.seconds:g} s")
-    print(f"{'query':6} {'runtime':10} {'single':>8} {'limit':>8} {'batch':>6} {'served':>8} "
-          f"{'ratio':>6} {'p50':>8} {'p50-1fw':>8} {'busy':>9}")  # fmt: skip
+    print(f"{'query':6} {'runtime':10} {'single':>8} {'decode':>7} {'limit':>8} {'batch':>6} "
+          f"{'served':>8} {'ratio':>6} {'p50':>8} {'p50-1fw':>8} {'-decode':>8} "
+          f"{'busy':>9}")  # fmt: skip
     for kind in args.modalities.split(","):
         name = QUERY_OF[kind]
         pool = query_pool(kind, POOL[kind], args.clip_seconds)
         values = work / f"pool-{kind}.json"
         values.write_text(json.dumps(pool[:64]))
         bodies = work / f"bodies-{kind}.jsonl"
-        bodies.write_text("".join(json.dumps({"query": {name: v}, "k": 10}) + "\n" for v in pool))
+        one = [{"query": {name: v}, "k": 10} for v in pool]
+        bodies.write_text("".join(json.dumps(q) + "\n" for q in one))
         timeout_s = {"text": 10.0, "image": 60.0, "audio": 240.0}[kind]
         # A load must hold many answers at 32 connections: slower towers get longer ones.
         seconds = args.seconds * {"text": 1, "image": 4, "audio": 8}[kind]
-        configs = [(r, t) for r in args.runtimes.split(",") for t in args.torch_threads.split(",")]
-        for (runtime, threads), repeat in itertools.product(configs, range(args.repeat)):
-            srv = served(root, name, bodies, seconds, runtime, threads, args.port, timeout_s)
+        configs = itertools.product(
+            args.runtimes.split(","),
+            args.torch_threads.split(","),
+            [int(n) for n in args.per_request.split(",")],
+        )
+        for (runtime, threads, per), repeat in itertools.product(configs, range(args.repeat)):
+            sent = bodies
+            if per > 1:  # the same distinct queries, `per` to a request
+                sent = work / f"bodies-{kind}-x{per}.jsonl"
+                sent.write_text("".join(json.dumps({"queries": one[i : i + per]}) + "\n"
+                                        for i in range(0, len(one) - per + 1, per)))  # fmt: skip
+            srv = served(
+                root, name, sent, seconds, runtime, threads, args.port, timeout_s, per_request=per
+            )
             batch = max(1, round(srv["encode_batch_mean"]))
             lim = bare(model, name, batch, values, min(args.seconds, 15.0), runtime)
-            row = {"query": kind, "runtime": runtime, "threads": threads, "repeat": repeat,
-                   "limit": lim, "served": srv}  # fmt: skip
+            label = f"{runtime}/{threads}" + (f" x{per}" if per > 1 else "")
+            row = {"query": kind, "runtime": runtime, "threads": threads, "per_request": per,
+                   "label": label, "repeat": repeat, "limit": lim, "served": srv}  # fmt: skip
             row["ratio"] = srv["32_connections"]["answered_qps"] / lim["qps"]
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
-            torch_row = next((r for r in figures["rows"] if r["query"] == kind
-                              and r["runtime"] == "torch"), None)  # fmt: skip
-            if torch_row is not None and runtime != "torch":
+            # what the service adds beyond the work a raw query needs: its decode and forward
+            row["p50_over_decode_and_single_ms"] = row["p50_over_single_ms"] - lim["decode_ms"]
+            torch_row = next((r for r in figures["rows"] if r["query"] == kind and
+                              r["runtime"] == "torch" and r["served"]["top10"]), None)  # fmt: skip
+            if torch_row is not None and runtime != "torch" and srv["top10"]:
                 row["top10_overlap_with_torch"] = overlap(
                     srv["top10"], torch_row["served"]["top10"]
                 )
             figures["rows"].append(row)
             print(
-                f"{kind:6} {runtime + '/' + threads:10} {lim['single_ms']:7.1f}ms "
+                f"{kind:6} {label:10} {lim['single_ms']:7.1f}ms {lim['decode_ms']:5.1f}ms "
                 f"{lim['qps']:8.1f} {batch:6d} "
                 f"{srv['32_connections']['answered_qps']:8.1f} {row['ratio']:6.2f} "
                 f"{srv['1_connection']['p50_ms']:6.1f}ms {row['p50_over_single_ms']:+7.1f}ms "
+                f"{row['p50_over_decode_and_single_ms']:+7.1f}ms "
                 f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}"
                 f" conn. {srv['connections_per_worker']}"
+                f" wrk {srv['32_connections']['client_cores']:.2f} cores"
                 + (
                     f" top-10 vs torch {row['top10_overlap_with_torch']:.3f}"
                     if "top10_overlap_with_torch" in row
@@ -495,8 +535,8 @@ def main() -> None:
                 flush=True,
             )
             if repeat == args.repeat - 1 > 0:
-                spread(figures["rows"], kind, runtime, threads)
-            if args.before is not None and threads == "auto" and repeat == 0:
+                spread(figures["rows"], kind, label)
+            if args.before is not None and threads == "auto" and per == 1 and repeat == 0:
                 serve = functools.partial(
                     served, root, name, bodies, seconds, runtime, "auto", args.port, timeout_s
                 )
