@@ -19,6 +19,9 @@ search itself costs microseconds beside a tower). For each query modality and ru
   it), and its throughput at the batch size the service formed at 32 connections (read from
   /metrics), the larger of one process with every core's thread and one process per worker
   with its share (tokenizers without its Rayon pool, as `hclip serve` runs it), run together;
+  its inputs are the served pool's (distinct, as the served queries are); it runs while the
+  server idles between two 32-connection loads, and served q/s is their mean: a drift of the
+  machine's pace over the run shows as the gap between the two (printed);
 - served: `hclip serve --workers CORES`, caches off (HCLIP_CACHE_MAX_BYTES=0, no Redis), queries
   drawn in turn from a pool of distinct inputs (text: every query its own sentence), by wrk at
   1 connection (p50) and 32 connections (q/s answered with results; the request deadline is
@@ -301,11 +304,14 @@ def served(
     code: Path = REPO,
     top10: bool = True,
     per_request: int = 1,
+    between: Callable[[int], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """`hclip serve` from the checkout `code` (this one by default) under the loads; with
     `top10`, the first queries' top-10 ids too (runtimes compared). With `per_request` > 1,
     each line of `bodies` holds that many queries, sent to /v1/search/batch, and q/s counts
-    queries."""
+    queries. With `between`, it is called with the batch the 32-connection load formed while
+    the server idles (the bare tower's limit), and that load is run again after it: a drift of
+    the machine's pace between the two shows in their q/s."""
     path = "/v1/search" if per_request == 1 else "/v1/search/batch"
     workers = usable_cores()
     env = bench_server.env_for(
@@ -358,7 +364,15 @@ def served(
         calls = after[1] - before[1]
         batch = (after[0] - before[0]) / calls if calls else 1.0  # at 32 connections
         busy = [r for r, _ in samples[:-2]] or [0]
+        extra: dict[str, Any] = {}
+        if between is not None:
+            extra["limit"] = between(max(1, round(batch)))
+            wait_idle(pids)
+            again = bench_server.wrk(url, 32, seconds, WRK_POOL % (bodies, n // 5, path), timeout_s)
+            again["answered_qps"] = answered(again) * per_request
+            extra["32_connections_again"] = again
         return {
+            **extra,
             "1_connection": one,
             "32_connections": result,
             "encode_batch_mean": batch,
@@ -481,7 +495,7 @@ def main() -> None:
         name = QUERY_OF[kind]
         pool = query_pool(kind, POOL[kind], args.clip_seconds)
         values = work / f"pool-{kind}.json"
-        values.write_text(json.dumps(pool[:64]))
+        values.write_text(json.dumps(pool))  # the limit's inputs are as distinct as the served
         bodies = work / f"bodies-{kind}.jsonl"
         one = [{"query": {name: v}, "k": 10} for v in pool]
         bodies.write_text("".join(json.dumps(q) + "\n" for q in one))
@@ -500,14 +514,22 @@ def main() -> None:
                 sent.write_text("".join(json.dumps({"queries": one[i : i + per]}) + "\n"
                                         for i in range(0, len(one) - per + 1, per)))  # fmt: skip
             srv = served(
-                root, name, sent, seconds, runtime, threads, args.port, timeout_s, per_request=per
-            )
-            batch = max(1, round(srv["encode_batch_mean"]))
-            lim = bare(model, name, batch, values, min(args.seconds, 15.0), runtime)
+                root, name, sent, seconds, runtime, threads, args.port, timeout_s, per_request=per,
+                between=functools.partial(
+                    bare, model, name, pool=values, seconds=min(args.seconds, 15.0),
+                    runtime=runtime,
+                ),
+            )  # fmt: skip
+            lim, batch = srv["limit"], srv["limit"]["batch"]
+            # served: the two 32-connection loads around the limit's run, and how far apart
+            loads = [srv[k]["answered_qps"] for k in ("32_connections", "32_connections_again")]
+            served_qps = statistics.mean(loads)
             label = f"{runtime}/{threads}" + (f" x{per}" if per > 1 else "")
             row = {"query": kind, "runtime": runtime, "threads": threads, "per_request": per,
                    "label": label, "repeat": repeat, "limit": lim, "served": srv}  # fmt: skip
-            row["ratio"] = srv["32_connections"]["answered_qps"] / lim["qps"]
+            row["served_qps"] = served_qps
+            row["served_drift"] = (max(loads) - min(loads)) / served_qps
+            row["ratio"] = served_qps / lim["qps"]
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
             # what the service adds beyond the work a raw query needs: its decode and forward
             row["p50_over_decode_and_single_ms"] = row["p50_over_single_ms"] - lim["decode_ms"]
@@ -521,11 +543,12 @@ def main() -> None:
             print(
                 f"{kind:6} {label:10} {lim['single_ms']:7.1f}ms {lim['decode_ms']:5.1f}ms "
                 f"{lim['qps']:8.1f} {batch:6d} "
-                f"{srv['32_connections']['answered_qps']:8.1f} {row['ratio']:6.2f} "
+                f"{served_qps:8.1f} {row['ratio']:6.2f} "
                 f"{srv['1_connection']['p50_ms']:6.1f}ms {row['p50_over_single_ms']:+7.1f}ms "
                 f"{row['p50_over_decode_and_single_ms']:+7.1f}ms "
                 f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}"
                 f" conn. {srv['connections_per_worker']}"
+                f" served {loads[0]:.1f} then {loads[1]:.1f}"
                 f" wrk {srv['32_connections']['client_cores']:.2f} cores"
                 + (
                     f" top-10 vs torch {row['top10_overlap_with_torch']:.3f}"
