@@ -115,6 +115,7 @@ def assert_same_version(a: LoadedVersion, b: LoadedVersion) -> None:
         assert np.allclose(sa, sb, atol=1e-5), name
         for q in range(len(xq)):
             assert same_ranking(sa[q], ra[q], rb[q], 1e-5), (name, q, ra[q], rb[q])
+    assert verify(a.path) == [] and verify(b.path) == []
 
 
 def same_ranking(scores: np.ndarray, a: np.ndarray, b: np.ndarray, tol: float) -> bool:
@@ -128,7 +129,6 @@ def same_ranking(scores: np.ndarray, a: np.ndarray, b: np.ndarray, tol: float) -
                 return False
             start = end
     return True
-    assert verify(a.path) == [] and verify(b.path) == []
 
 
 def loaded(root: Path) -> LoadedVersion:
