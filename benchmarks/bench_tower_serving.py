@@ -497,8 +497,8 @@ def main() -> None:
         values = work / f"pool-{kind}.json"
         values.write_text(json.dumps(pool))  # the limit's inputs are as distinct as the served
         bodies = work / f"bodies-{kind}.jsonl"
-        one = [{"query": {name: v}, "k": 10} for v in pool]
-        bodies.write_text("".join(json.dumps(q) + "\n" for q in one))
+        queries = [{"query": {name: v}, "k": 10} for v in pool]
+        bodies.write_text("".join(json.dumps(q) + "\n" for q in queries))
         timeout_s = {"text": 10.0, "image": 60.0, "audio": 240.0}[kind]
         # A load must hold many answers at 32 connections: slower towers get longer ones.
         seconds = args.seconds * {"text": 1, "image": 4, "audio": 8}[kind]
@@ -511,8 +511,9 @@ def main() -> None:
             sent = bodies
             if per > 1:  # the same distinct queries, `per` to a request
                 sent = work / f"bodies-{kind}-x{per}.jsonl"
-                sent.write_text("".join(json.dumps({"queries": one[i : i + per]}) + "\n"
-                                        for i in range(0, len(one) - per + 1, per)))  # fmt: skip
+                starts = range(0, len(queries) - per + 1, per)
+                sent.write_text("".join(json.dumps({"queries": queries[i : i + per]}) + "\n"
+                                        for i in starts))  # fmt: skip
             srv = served(
                 root, name, sent, seconds, runtime, threads, args.port, timeout_s, per_request=per,
                 between=functools.partial(

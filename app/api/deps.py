@@ -49,5 +49,5 @@ async def search_inputs(
     serving searches (docs/benchmarks/tower_serving.md)."""
     await read_key(request)
     body = await parse(request)
-    state: AppState = request.app.state.hclip
+    state = await get_state(request)
     return body, state, await serving_of(state)
