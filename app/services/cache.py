@@ -1,4 +1,5 @@
-"""Result and query-embedding caches: Redis when HCLIP_REDIS_URL is set, else an in-process LRU.
+"""Result and query-embedding caches: Redis when HCLIP_REDIS_URL is set, else an in-process LRU,
+or none (HCLIP_CACHE_MAX_BYTES=0 without Redis: the search path then hashes nothing).
 
 What comes back from Redis is trusted only when it carries the MAC this service wrote with it
 (HMAC-SHA256 of the key and the value under HCLIP_CACHE_SECRET): the keys hold the index
@@ -41,6 +42,22 @@ class Cache(Protocol):
 
 # What an entry costs beyond its value's bytes: its key, the tuple, the cache's own records.
 ENTRY_OVERHEAD = 256
+
+
+class NoCache:
+    """No cache: every get misses and nothing is kept. `SearchService` checks for it and skips
+    the keys' hashing altogether."""
+
+    backend = "off"
+
+    async def get(self, key: str) -> bytes | None:
+        return None
+
+    async def set(self, key: str, value: bytes, ttl_s: int) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
 
 
 class MemoryCache:
@@ -180,4 +197,6 @@ def make_cache(
 ) -> Cache:
     if redis_url:  # shared with whatever else reaches it: entries are authenticated
         return SignedCache(RedisCache(redis_url, timeout_s, retry_s, metrics), secret, metrics)
+    if max_bytes <= 0:
+        return NoCache()
     return MemoryCache(max_bytes)  # this process's own memory: nothing else writes it

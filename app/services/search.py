@@ -27,7 +27,7 @@ from app.core.errors import ApiError, BackendDown, DeadlineExceeded, InvalidInpu
 from app.core.metrics import Metrics
 from app.core.settings import Settings
 from app.services.batching import SearchItem
-from app.services.cache import Cache
+from app.services.cache import Cache, NoCache
 from app.services.checks import CheckedEmbed, CheckedSearch, as_api_error
 from app.services.versions import ServingVersion
 from indexer.store.artifact import BackendUnavailable
@@ -72,7 +72,9 @@ class SearchService:
     async def search(self, serving: ServingVersion, c: CheckedSearch) -> bytes:
         """One search, answered as the response body's bytes (errors raise ApiError). The
         result cache's key holds everything the answer depends on (replicas that share a Redis
-        are meant to share their settings)."""
+        are meant to share their settings). With no cache, nothing is hashed."""
+        if isinstance(self.cache, NoCache):
+            return b'{"cached":false,' + (await self._answer(serving, c, None))[1:]
         s = self.settings
         # Each raw input is hashed once: its digest keys both caches.
         digests = {m: input_digest(v) for m, v in c.query.items()}
@@ -84,25 +86,35 @@ class SearchService:
             self.metrics.result_hits.inc()
             return b'{"cached":true,' + hit[1:]
         self.metrics.result_misses.inc()
-        try:
-            async with self.deadline():
-                embs = await self._embeddings(serving, c, digests)
-                item = SearchItem(embs, c.k, c.filter, c.effort, c.field)
-                scores, rows = await serving.searchers[c.view].submit(item)
-            encoded = self._format(serving, c, scores, rows)
-        except InputError as exc:  # the query factor overflowed
-            raise InvalidInput(str(exc)) from None
-        except BackendUnavailable as exc:  # Milvus, for a version whose views live there
-            raise BackendDown.of(exc) from None
+        encoded = await self._answer(serving, c, digests)
         await self.cache.set(key, encoded, s.cache_ttl_s)
         # The cached form lacks the `cached` flag: it is spliced in as the first key, so neither
         # a hit nor a miss serialises the results twice.
         return b'{"cached":false,' + encoded[1:]
 
+    async def _answer(
+        self, serving: ServingVersion, c: CheckedSearch, digests: dict[str, str] | None
+    ) -> bytes:
+        """Encode, search and format one query (`digests`: its raw inputs' embedding-cache
+        keys; None with no cache)."""
+        try:
+            async with self.deadline():
+                embs = await self._embeddings(serving, c, digests)
+                item = SearchItem(embs, c.k, c.filter, c.effort, c.field)
+                scores, rows = await serving.searchers[c.view].submit(item)
+            return self._format(serving, c, scores, rows)
+        except InputError as exc:  # the query factor overflowed
+            raise InvalidInput(str(exc)) from None
+        except BackendUnavailable as exc:  # Milvus, for a version whose views live there
+            raise BackendDown.of(exc) from None
+
     async def _embeddings(
-        self, serving: ServingVersion, c: CheckedSearch, digests: dict[str, str]
+        self, serving: ServingVersion, c: CheckedSearch, digests: dict[str, str] | None
     ) -> dict[str, np.ndarray]:
-        encodes = [self._encode(serving, m, c.raw[m], digests[m]) for m in c.raw]
+        encodes = [
+            self._encode(serving, m, c.raw[m], None if digests is None else digests[m])
+            for m in c.raw
+        ]
         if not encodes:
             return c.given
         # One raw input (the common query) is awaited as it is: gathering wraps it in a task.
@@ -110,12 +122,13 @@ class SearchService:
         return {**c.given, **dict(zip(c.raw, raw, strict=True))}
 
     async def _encode(
-        self, serving: ServingVersion, modality: str, value: Any, value_digest: str
+        self, serving: ServingVersion, modality: str, value: Any, value_digest: str | None
     ) -> np.ndarray:
         """One query embedding, from the cache (keyed by model fingerprint and input) or
-        encoded. Encoders that run inline (vectors) are cheaper than a cache round trip."""
+        encoded. Encoders that run inline (vectors) are cheaper than a cache round trip; with
+        no cache (`value_digest` None) there is none to make."""
         field = f"query.{modality}"
-        if serving.encoders[modality].executor is None:
+        if value_digest is None or serving.encoders[modality].executor is None:
             return await self.encode_one(serving, modality, value, field)
         key = f"{self.settings.cache_prefix}:emb:{serving.fingerprint}:{modality}:{value_digest}"
         cached = await self.cache.get(key)

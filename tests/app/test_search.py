@@ -92,6 +92,25 @@ def test_second_identical_request_is_served_from_the_cache(vector_index, backend
         assert 'hclip_cache_total{kind="result",outcome="hit"} 1.0' in metrics
 
 
+def test_with_the_cache_off_nothing_is_kept_or_counted(vector_index) -> None:
+    root, _, rows = vector_index
+    with running(settings_for(root, cache_max_bytes=0)) as client:
+        assert client.get("/v1/info").json()["cache"] == "off"
+        body = {"query": {"a": rows[1]["a"]}, "k": 5}
+        first, second = (client.post("/v1/search", json=body).json() for _ in range(2))
+        assert first["cached"] is False and second["cached"] is False
+        assert first["results"] == second["results"] and len(first["results"]) == 5
+        batch = client.post("/v1/search/batch", json={"queries": [body, body]}).json()
+        for answer in batch["results"]:  # batched with each other: the same ids, scores to 1e-5
+            assert [x["id"] for x in answer["results"]] == [x["id"] for x in first["results"]]
+            assert np.allclose(
+                [x["score"] for x in answer["results"]], [x["score"] for x in first["results"]],
+                atol=1e-5,
+            )  # fmt: skip
+        metrics = client.get("/metrics").text
+        assert 'hclip_cache_total{kind="result",outcome="miss"} 0.0' in metrics
+
+
 def test_new_version_is_picked_up_and_responses_never_mix_versions(
     tmp_path: Path, vector_index
 ) -> None:
