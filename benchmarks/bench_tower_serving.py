@@ -33,6 +33,12 @@ search itself costs microseconds beside a tower). For each query modality and ru
   - decode - single forward: what the service adds beyond a raw query's own work); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
+- where the server's CPU went during the first 32-connection load, per query answered (each
+  thread's utime + stime from /proc): the workers' event loops (their main threads: HTTP,
+  checks, search, responses) and their other threads (the encode threads with their pools), beside
+  the bare tower's CPU per query at the limit (cores / limit q/s). When the server keeps the
+  cores busy, served / limit is about bare / (loop + threads): what the loops take is what the
+  tower does not get, a figure that the machine's drift moves less than a ratio of two q/s;
 - connections per worker: wrk's 32 connections, counted in each worker's open sockets (/proc);
 - busy threads: during the 32-connection run, /proc is read every 50 ms for the threads of the
   server's processes that are running (state R); the mean and the largest count;
@@ -57,7 +63,7 @@ import tempfile
 import threading
 import time
 import wave
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -212,9 +218,9 @@ def server_pids(root_pid: int) -> list[int]:
     return pids
 
 
-def running_threads(pids: list[int]) -> tuple[int, int]:
-    """(threads in state R, threads) of these processes, from /proc."""
-    running = total = 0
+def thread_stats(pids: list[int]) -> Iterator[tuple[int, str, list[str]]]:
+    """(pid, tid, the fields of /proc/PID/task/TID/stat after the name) of each thread of
+    these processes (state first, then ppid...; utime and stime are fields 11 and 12)."""
     for pid in pids:
         try:
             tasks = os.listdir(f"/proc/{pid}/task")
@@ -225,9 +231,24 @@ def running_threads(pids: list[int]) -> tuple[int, int]:
                 stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
             except OSError:
                 continue
-            total += 1
-            running += stat[stat.rindex(")") + 2] == "R"
-    return running, total
+            yield pid, tid, stat[stat.rindex(")") + 2 :].split()
+
+
+def running_threads(pids: list[int]) -> tuple[int, int]:
+    """(threads in state R, threads) of these processes, from /proc."""
+    states = [fields[0] for _, _, fields in thread_stats(pids)]
+    return states.count("R"), len(states)
+
+
+def cpu_by_role(root_pid: int, pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far of the workers' main threads (`loop`), of their other threads
+    (`threads`: encodes, searches, pools) and of the server's own process (`server`)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"loop": 0.0, "threads": 0.0, "server": 0.0}
+    for pid, tid, fields in thread_stats(pids):
+        role = "server" if pid == root_pid else "loop" if tid == str(pid) else "threads"
+        out[role] += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
 
 
 def connections_per_process(pids: list[int], port: int) -> list[int]:
@@ -350,6 +371,7 @@ def served(
             )
 
         before = encode_batches(url, name)
+        cpu_before = cpu_by_role(server.pid, pids)
         t = threading.Thread(target=run_load)  # wrk runs while /proc is read here
         t.start()
         time.sleep(min(2.0, seconds / 4))  # past the ramp-up
@@ -358,7 +380,13 @@ def served(
             samples.append(running_threads(pids))
             time.sleep(0.05)
         t.join()
+        cpu_after = cpu_by_role(server.pid, pids)
         result["answered_qps"] = answered(result) * per_request
+        queries = max(1, result["requests"]) * per_request
+        result["cpu_ms_per_query"] = {
+            role: 1e3 * (cpu_after[role] - cpu_before[role]) / queries for role in cpu_after
+        }
+        result["server_cores"] = sum(cpu_after[r] - cpu_before[r] for r in cpu_after) / seconds
         wait_idle(pids)
         after = encode_batches(url, name)
         calls = after[1] - before[1]
@@ -406,13 +434,15 @@ def before_and_after(
                 "p50_ms": srv["1_connection"]["p50_ms"],
                 "batch": srv["encode_batch_mean"],
                 "connections": srv["connections_per_worker"],
+                "loop_cpu_ms": srv["32_connections"]["cpu_ms_per_query"]["loop"],
             }
         pair["qps_ratio"] = pair["after"]["qps"] / max(1e-9, pair["before"]["qps"])
         b, a = pair["before"], pair["after"]
         print(
             f"  {kind} {runtime}, before -> after: {b['qps']:.1f} -> {a['qps']:.1f} q/s at 32 "
             f"conn. (x{pair['qps_ratio']:.2f}), p50 {b['p50_ms']:.1f} -> {a['p50_ms']:.1f} ms, "
-            f"batch {b['batch']:.1f} -> {a['batch']:.1f}, connections per worker "
+            f"batch {b['batch']:.1f} -> {a['batch']:.1f}, event loops' CPU per query "
+            f"{b['loop_cpu_ms']:.3f} -> {a['loop_cpu_ms']:.3f} ms, connections per worker "
             f"{b['connections']} -> {a['connections']}",
             flush=True,
         )
@@ -531,6 +561,10 @@ def main() -> None:
             row["served_qps"] = served_qps
             row["served_drift"] = (max(loads) - min(loads)) / served_qps
             row["ratio"] = served_qps / lim["qps"]
+            cpu = srv["32_connections"]["cpu_ms_per_query"]
+            row["bare_cpu_ms_per_query"] = 1e3 * usable_cores() / lim["qps"]
+            # the ratio the CPU split predicts, were the cores kept busy and the tower at its pace
+            row["cpu_ratio"] = row["bare_cpu_ms_per_query"] / (cpu["loop"] + cpu["threads"])
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
             # what the service adds beyond the work a raw query needs: its decode and forward
             row["p50_over_decode_and_single_ms"] = row["p50_over_single_ms"] - lim["decode_ms"]
@@ -551,6 +585,9 @@ def main() -> None:
                 f" conn. {srv['connections_per_worker']}"
                 f" served {loads[0]:.1f} then {loads[1]:.1f}"
                 f" wrk {srv['32_connections']['client_cores']:.2f} cores"
+                f" cpu/query: loop {cpu['loop']:.2f} + threads {cpu['threads']:.2f} ms"
+                f" (server {srv['32_connections']['server_cores']:.2f} cores), bare"
+                f" {row['bare_cpu_ms_per_query']:.2f} ms: {row['cpu_ratio']:.2f}"
                 + (
                     f" top-10 vs torch {row['top10_overlap_with_torch']:.3f}"
                     if "top10_overlap_with_torch" in row
