@@ -84,6 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            versions.heap.thaw()
             board.leave()
             await cache.close()
             pools.shutdown()

@@ -39,6 +39,9 @@ search itself costs microseconds beside a tower). For each query modality and ru
   the bare tower's CPU per query at the limit (cores / limit q/s). When the server keeps the
   cores busy, served / limit is about bare / (loop + threads): what the loops take is what the
   tower does not get, a figure that the machine's drift moves less than a ratio of two q/s;
+- a full garbage collection's pause in a worker's heap (every tower loaded, a version served),
+  with what the version holds frozen as the service keeps it (app/services/heap.py) and thawed:
+  the GIL is held for that long, and no request of that worker moves;
 - connections per worker: wrk's 32 connections, counted in each worker's open sockets (/proc);
 - busy threads: during the 32-connection run, /proc is read every 50 ms for the threads of the
   server's processes that are running (state R); the mean and the largest count;
@@ -162,6 +165,48 @@ print(json.dumps({"single_ms": 1e3 * statistics.median(singles) if singles else 
                   "decode_ms": 1e3 * statistics.median(decodes) if decodes else None,
                   "qps": n / took}))
 """
+
+
+HEAP = """
+import gc, json, os, sys, time
+from fastapi.testclient import TestClient
+from app.main import create_app
+with TestClient(create_app()) as client:  # a worker's heap: a version loaded, warmed, served
+    assert client.get("/readyz").status_code == 200
+    frozen = gc.get_freeze_count()
+    bodies, t0 = open(sys.argv[1]).read().splitlines(), time.perf_counter()
+    for i in range(len(bodies)):  # what requests leave behind, as a worker under load has
+        if time.perf_counter() - t0 > float(sys.argv[2]):
+            break
+        json_type = {"content-type": "application/json"}
+        r = client.post("/v1/search", content=bodies[i], headers=json_type)
+        assert r.status_code == 200, r.text
+    took = {}
+    for state in ("frozen", "thawed"):
+        if state == "thawed":
+            gc.unfreeze()
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter(); gc.collect(); runs.append(time.perf_counter() - t0)
+        took[state] = 1e3 * sorted(runs)[2]
+        gc.collect(); gc.freeze()
+print(json.dumps({"objects_frozen": frozen, "full_collection_ms": took}))
+"""
+
+
+def heap_pauses(root: Path, runtime: str, bodies: Path, seconds: float) -> dict[str, Any]:
+    """A full garbage collection's pause in a worker's heap (every tower loaded under
+    `runtime`, `seconds` of the queries in `bodies` answered), with what the loaded version
+    holds frozen, as the service keeps it, and thawed: the GIL is held for that long, and no
+    request moves."""
+    env = bench_server.env_for(REPO, HCLIP_ROOT=str(root), HCLIP_ENCODER_RUNTIME=runtime)
+    out = subprocess.run(
+        [sys.executable, "-c", HEAP, str(bodies), str(seconds)],
+        env=env, cwd=REPO, capture_output=True, text=True,
+    )  # fmt: skip
+    if out.returncode:
+        raise SystemExit(f"the heap's pauses were not measured:\n{out.stderr[-2000:]}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 def bare(
@@ -435,12 +480,16 @@ def before_and_after(
                 "batch": srv["encode_batch_mean"],
                 "connections": srv["connections_per_worker"],
                 "loop_cpu_ms": srv["32_connections"]["cpu_ms_per_query"]["loop"],
+                "p99_ms": srv["32_connections"]["p99_ms"],
+                "p99_1_ms": srv["1_connection"]["p99_ms"],
             }
         pair["qps_ratio"] = pair["after"]["qps"] / max(1e-9, pair["before"]["qps"])
         b, a = pair["before"], pair["after"]
         print(
             f"  {kind} {runtime}, before -> after: {b['qps']:.1f} -> {a['qps']:.1f} q/s at 32 "
             f"conn. (x{pair['qps_ratio']:.2f}), p50 {b['p50_ms']:.1f} -> {a['p50_ms']:.1f} ms, "
+            f"p99 at 1 conn. {b['p99_1_ms']:.1f} -> {a['p99_1_ms']:.1f} ms, at 32 "
+            f"{b['p99_ms']:.1f} -> {a['p99_ms']:.1f} ms, "
             f"batch {b['batch']:.1f} -> {a['batch']:.1f}, event loops' CPU per query "
             f"{b['loop_cpu_ms']:.3f} -> {a['loop_cpu_ms']:.3f} ms, connections per worker "
             f"{b['connections']} -> {a['connections']}",
@@ -521,6 +570,7 @@ def main() -> None:
     print(f"{'query':6} {'runtime':10} {'single':>8} {'decode':>7} {'limit':>8} {'batch':>6} "
           f"{'served':>8} {'ratio':>6} {'p50':>8} {'p50-1fw':>8} {'-decode':>8} "
           f"{'busy':>9}")  # fmt: skip
+    figures["heap"] = {}
     for kind in args.modalities.split(","):
         name = QUERY_OF[kind]
         pool = query_pool(kind, POOL[kind], args.clip_seconds)
@@ -532,6 +582,13 @@ def main() -> None:
         timeout_s = {"text": 10.0, "image": 60.0, "audio": 240.0}[kind]
         # A load must hold many answers at 32 connections: slower towers get longer ones.
         seconds = args.seconds * {"text": 1, "image": 4, "audio": 8}[kind]
+        for runtime in args.runtimes.split(","):
+            heap = figures["heap"][f"{kind} {runtime}"] = heap_pauses(root, runtime, bodies, 5.0)
+            took = heap["full_collection_ms"]
+            print(f"{kind} {runtime}: a full garbage collection pauses a worker "
+                  f"{took['frozen']:.1f} ms with the served heap frozen "
+                  f"({heap['objects_frozen']} objects), {took['thawed']:.1f} ms thawed",
+                  flush=True)  # fmt: skip
         configs = itertools.product(
             args.runtimes.split(","),
             args.torch_threads.split(","),

@@ -29,6 +29,7 @@ from app.services.batching import (
     query_factors,
     search_batcher,
 )
+from app.services.heap import HeapSettler
 from app.services.threads import WorkerPools
 from app.services.workers import WorkerBoard
 from indexer.store import artifact
@@ -194,6 +195,7 @@ class VersionManager:
         self.fallback: str | None = None  # why no version serves in place of a missing one
         self.checked = CheckedVersions(settings.checked_dir)
         self.board = board or WorkerBoard(None, 1)  # tells the other workers what this serves
+        self.heap = HeapSettler()  # frozen once the requests on a replaced version are over
 
     def _open(self, version_id: str) -> ServingVersion:
         """Blocking: check and open a version, load (or reuse) its model, build its workers,
@@ -340,6 +342,7 @@ class VersionManager:
         self.metrics.load_seconds.set(took)
         old = self.current
         self.current = serving
+        self.heap.settle_in(0.0 if old is None else self.settings.request_timeout_s)
         self.health, self._probed_at = None, time.monotonic()  # it answered its warm-up
         self._loaded.set()
         self.rejected.pop(version_id, None)
@@ -390,6 +393,7 @@ class VersionManager:
             return
         self.current = None
         self._loaded.clear()
+        self.heap.settle_in(self.settings.request_timeout_s)
         if serving.version not in self.rejected:
             self._reject(serving.version, reason, None)
         self.board.failing(self._relative(reason))
@@ -468,6 +472,7 @@ class VersionManager:
             pass
         except Exception:
             log.exception("checking %s for a new version failed", self.root)
+        self.heap.settle_if_due()
         self._tell_if_empty()
 
     async def wait_serving(self, timeout_s: float) -> ServingVersion | None:
@@ -497,4 +502,5 @@ class VersionManager:
                 pass
             except Exception:  # the poller must survive anything a bad root throws at it
                 log.exception("checking %s for a new version failed", self.root)
+            self.heap.settle_if_due()
             await asyncio.sleep(self.settings.poll_interval_s)

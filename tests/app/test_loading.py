@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import shutil
+import weakref
 from pathlib import Path
 from urllib.parse import quote
 
@@ -89,3 +90,50 @@ def test_a_swapped_out_version_is_unmapped_when_its_last_holder_lets_go(
         pools.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_served_heap_is_frozen_and_a_swap_lets_the_version_it_retires_be_collected(
+    tmp_path: Path, vector_index
+) -> None:
+    _, model_dir, _ = vector_index
+    root = tmp_path / "root"
+    v1 = build_index(root, model_dir, records_v("v1", n=60), tmp_path)
+
+    async def main() -> None:
+        pools = WorkerPools(1, 1)
+        vm = VersionManager(settings_for(root, request_timeout_s=0.5), Metrics(), pools)
+        try:
+            await vm.start()
+            first = vm.current
+            assert first is not None and first.version == v1
+            assert gc.get_freeze_count() > 0  # what the version holds is out of the scans
+            # The retired version sits in a cycle that was frozen: only a collection after a
+            # thaw can free it.
+            first.cycle = first  # type: ignore[attr-defined]
+            vm.heap.settle_in(0.0)
+            assert vm.heap.settle_if_due()
+            retired = weakref.ref(first)
+            del first
+            v2 = build_index(root, model_dir, records_v("v2", n=60), tmp_path)
+            assert await vm.refresh() and vm.current is not None and vm.current.version == v2
+            assert gc.get_freeze_count() == 0  # thawed at the swap
+            assert not vm.heap.settle_if_due()  # requests on v1 may run until the deadline
+            await asyncio.sleep(0.6)
+            assert vm.heap.settle_if_due()
+            assert retired() is None and gc.get_freeze_count() > 0
+        finally:
+            vm.heap.thaw()
+            pools.shutdown()
+
+    asyncio.run(main())
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_worker_that_stops_leaves_nothing_frozen(tmp_path: Path, vector_index) -> None:
+    _, model_dir, _ = vector_index
+    root = tmp_path / "root"
+    build_index(root, model_dir, records_v("v1", n=60), tmp_path)
+    with running(settings_for(root)) as client:
+        assert client.get("/readyz").status_code == 200
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
