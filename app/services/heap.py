@@ -1,9 +1,10 @@
 """What a loaded version holds, kept out of the cyclic garbage collector's scans.
 
-A worker's heap once a version is loaded holds millions of objects that live as long as the
-version serves: torch, transformers, the towers' modules, the records' columns. Python's full
-collection walks all of them while it holds the GIL, so every few seconds under load no request
-moves for as long as that walk takes (docs/benchmarks/tower_serving.md has the pauses).
+A worker's heap once a version is loaded holds hundreds of thousands of objects that live as
+long as the version serves: torch, transformers, the towers' modules, the records' store.
+Python's full collection walks all of them while it holds the GIL, so every few seconds under
+load no request moves for as long as that walk takes, a fifth of a second with real-size towers
+(docs/benchmarks/tower_serving.md).
 `gc.freeze()` moves them to a generation that collections skip.
 
 A swap thaws the heap, so that the version it retires can be collected once the requests that
