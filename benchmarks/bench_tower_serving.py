@@ -168,18 +168,18 @@ print(json.dumps({"single_ms": 1e3 * statistics.median(singles) if singles else 
 
 
 HEAP = """
-import gc, json, os, sys, time
+import gc, json, sys, time
 from fastapi.testclient import TestClient
 from app.main import create_app
+json_type = {"content-type": "application/json"}
 with TestClient(create_app()) as client:  # a worker's heap: a version loaded, warmed, served
     assert client.get("/readyz").status_code == 200
     frozen = gc.get_freeze_count()
-    bodies, t0 = open(sys.argv[1]).read().splitlines(), time.perf_counter()
-    for i in range(len(bodies)):  # what requests leave behind, as a worker under load has
+    t0 = time.perf_counter()
+    for body in open(sys.argv[1]).read().splitlines():  # what requests leave behind
         if time.perf_counter() - t0 > float(sys.argv[2]):
             break
-        json_type = {"content-type": "application/json"}
-        r = client.post("/v1/search", content=bodies[i], headers=json_type)
+        r = client.post("/v1/search", content=body, headers=json_type)
         assert r.status_code == 200, r.text
     took = {}
     for state in ("frozen", "thawed"):
@@ -189,7 +189,6 @@ with TestClient(create_app()) as client:  # a worker's heap: a version loaded, w
         for _ in range(5):
             t0 = time.perf_counter(); gc.collect(); runs.append(time.perf_counter() - t0)
         took[state] = 1e3 * sorted(runs)[2]
-        gc.collect(); gc.freeze()
 print(json.dumps({"objects_frozen": frozen, "full_collection_ms": took}))
 """
 

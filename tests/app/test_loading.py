@@ -66,12 +66,17 @@ def mapped_paths() -> str:
     return Path("/proc/self/maps").read_text()
 
 
+def publish_small(root: Path, model_dir: Path, tmp_path: Path, tag: str) -> str:
+    """A version of 60 vector records tagged `tag`, published under `root`; its id."""
+    return build_index(root, model_dir, records_v(tag, n=60), tmp_path)
+
+
 def test_a_swapped_out_version_is_unmapped_when_its_last_holder_lets_go(
     tmp_path: Path, vector_index
 ) -> None:
     _, model_dir, _ = vector_index
     root = tmp_path / "root"
-    v1 = build_index(root, model_dir, records_v("v1", n=60), tmp_path)
+    v1 = publish_small(root, model_dir, tmp_path, "v1")
 
     async def main() -> None:
         pools = WorkerPools(1, 1)
@@ -79,7 +84,7 @@ def test_a_swapped_out_version_is_unmapped_when_its_last_holder_lets_go(
         assert await vm.refresh()
         held = vm.current  # what a request in flight holds
         assert held is not None and held.version == v1
-        v2 = build_index(root, model_dir, records_v("v2", n=60), tmp_path)
+        v2 = publish_small(root, model_dir, tmp_path, "v2")
         assert await vm.refresh() and vm.current is not None and vm.current.version == v2
         v1_dir = str(artifact.version_dir(root, v1))
         assert v1_dir in mapped_paths()  # both mapped during the swap
@@ -97,7 +102,7 @@ def test_a_served_heap_is_frozen_and_a_swap_lets_the_version_it_retires_be_colle
 ) -> None:
     _, model_dir, _ = vector_index
     root = tmp_path / "root"
-    v1 = build_index(root, model_dir, records_v("v1", n=60), tmp_path)
+    v1 = publish_small(root, model_dir, tmp_path, "v1")
 
     async def main() -> None:
         pools = WorkerPools(1, 1)
@@ -114,7 +119,7 @@ def test_a_served_heap_is_frozen_and_a_swap_lets_the_version_it_retires_be_colle
             assert vm.heap.settle_if_due()
             retired = weakref.ref(first)
             del first
-            v2 = build_index(root, model_dir, records_v("v2", n=60), tmp_path)
+            v2 = publish_small(root, model_dir, tmp_path, "v2")
             assert await vm.refresh() and vm.current is not None and vm.current.version == v2
             assert gc.get_freeze_count() == 0  # thawed at the swap
             assert not vm.heap.settle_if_due()  # requests on v1 may run until the deadline
@@ -132,7 +137,7 @@ def test_a_served_heap_is_frozen_and_a_swap_lets_the_version_it_retires_be_colle
 def test_a_worker_that_stops_leaves_nothing_frozen(tmp_path: Path, vector_index) -> None:
     _, model_dir, _ = vector_index
     root = tmp_path / "root"
-    build_index(root, model_dir, records_v("v1", n=60), tmp_path)
+    publish_small(root, model_dir, tmp_path, "v1")
     with running(settings_for(root)) as client:
         assert client.get("/readyz").status_code == 200
         assert gc.get_freeze_count() > 0
