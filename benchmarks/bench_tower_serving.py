@@ -75,6 +75,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+import bench_image_decode  # noqa: E402  (photo-like JPEGs)
 import bench_server  # noqa: E402  (wrk, wait_ready, cpu_model)
 import bench_towers  # noqa: E402  (the towers, records and model)
 
@@ -97,11 +98,17 @@ end
 """
 
 
-def query_pool(kind: str, n: int, seconds: float, seed: int = 1) -> list[str]:
-    """n distinct raw queries: sentences, PNG data URIs (256 x 256) or WAV data URIs."""
+def query_pool(
+    kind: str, n: int, seconds: float, seed: int = 1, photo: tuple[int, int] | None = None
+) -> list[str]:
+    """n distinct raw queries: sentences, PNG data URIs (256 x 256; with `photo`, photo-like
+    JPEGs of that width and height) or WAV data URIs."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
+    if kind == "image" and photo is not None:
+        jpegs = (bench_image_decode.photo(*photo, seed=i) for i in range(n))
+        return ["data:image/jpeg;base64," + base64.b64encode(j).decode() for j in jpegs]
     if kind == "text":
         words = bench_towers.WORDS
         return [
@@ -540,6 +547,11 @@ def main() -> None:
         help="queries per request, comma-separated: past 1, a client sends that many queries in "
         "one /v1/search/batch request (the bars are on 1; more shows what batching buys)",
     )
+    p.add_argument(
+        "--photo",
+        help="WIDTHxHEIGHT: image queries are photo-like JPEGs of that size "
+        "(bench_image_decode.py) instead of 256 x 256 PNGs",
+    )
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     p.add_argument(
@@ -572,7 +584,8 @@ def main() -> None:
     figures["heap"] = {}
     for kind in args.modalities.split(","):
         name = QUERY_OF[kind]
-        pool = query_pool(kind, POOL[kind], args.clip_seconds)
+        photo = tuple(int(v) for v in args.photo.split("x")) if args.photo else None
+        pool = query_pool(kind, POOL[kind], args.clip_seconds, photo=photo)  # type: ignore[arg-type]
         values = work / f"pool-{kind}.json"
         values.write_text(json.dumps(pool))  # the limit's inputs are as distinct as the served
         bodies = work / f"bodies-{kind}.jsonl"

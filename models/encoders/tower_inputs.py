@@ -42,8 +42,8 @@ def decode_pretrained(
     if cfg.input == "text":
         return decode_text(value, limits)
     if cfg.input == "image":
-        image = decode_image_file(read_bytes(value, base_dir, "image", limits), limits, "RGB")
-        return preprocess_image(image, cfg)
+        data = read_bytes(value, base_dir, "image", limits)
+        return preprocess_image(decode_image_file(data, limits, "RGB", image_side(cfg)), cfg)
     data = read_bytes(value, base_dir, "audio", limits)
     # 10 ms past max_seconds: the resampling filter's reach, so the crop has no edge effect
     samples, total, rate = _read_wav(data, cfg, limits, margin_s=0.01)
@@ -64,6 +64,29 @@ def resample(x: np.ndarray, rate: int, target: int) -> np.ndarray:
 
     g = math.gcd(rate, target)
     return np.asarray(resample_poly(x, target // g, rate // g), dtype=np.float32)
+
+
+SIDES = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_width")
+
+
+def image_side(cfg: ModalityConfig) -> int | None:
+    """The longest side the tower's image processor resizes or crops an image to: every side of
+    the image it is given may be that long and lose nothing (models.encoders.image decodes a
+    JPEG no larger). None where the processor keeps an image's own size, or sizes it by pixel
+    count."""
+    processor = load_processor(cfg).processor
+    if not getattr(processor, "do_resize", False):
+        return None
+    sides: list[int] = []
+    for size in (getattr(processor, "size", None), getattr(processor, "crop_size", None)):
+        if isinstance(size, int):
+            sides.append(size)
+            continue
+        fields = size if isinstance(size, dict) else vars(size) if size is not None else {}
+        if fields.get("min_pixels") or fields.get("max_pixels"):
+            return None
+        sides += [int(v) for k, v in fields.items() if k in SIDES and v]
+    return max(sides) if sides else None
 
 
 def preprocess_image(image: Any, cfg: ModalityConfig) -> torch.Tensor:

@@ -239,3 +239,22 @@ def test_a_file_path_without_a_base_directory_is_refused(tmp_path: Path) -> None
     (tmp_path / "d.png").write_bytes(png_bytes())
     with pytest.raises(InputError, match="must be a base64 data: URI here"):
         decode(str(tmp_path / "d.png"), IMG)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "at_least", "size"),
+    [
+        ("JPEG", 224, (320, 240)),  # 1/4: the smallest scale with both sides >= 224
+        ("JPEG", 100, (160, 120)),  # 1/8, libjpeg's smallest
+        ("JPEG", None, (1280, 960)),
+        ("JPEG", 700, (1280, 960)),  # 960 // 700 = 1: whole
+        ("PNG", 224, (1280, 960)),  # only JPEG decodes at a smaller scale
+    ],
+)
+def test_a_jpeg_is_decoded_no_larger_than_its_resize_needs(fmt, at_least, size) -> None:
+    from models.encoders.image import decode_image_file
+
+    buf = io.BytesIO()
+    Image.new("RGB", (1280, 960), (90, 140, 200)).save(buf, fmt)
+    image = decode_image_file(buf.getvalue(), InputLimits(), "RGB", at_least)
+    assert image.size == size and image.getpixel((10, 10))[2] > 190

@@ -578,3 +578,42 @@ def test_a_build_sizes_its_chunks_by_the_decoded_inputs(towers, tmp_path) -> Non
                                                     "b": {"kind": "vector", "dim": 16}},
                                      "head": "hclip", "latent_dim": 8})  # fmt: skip
     assert chunk_rows_for(MultimodalModel(vectors), 256, 8192) == 8192
+
+
+def photo_jpeg(w: int, h: int) -> bytes:
+    """A photo-like JPEG: smooth colour fields with some grain."""
+    from PIL import Image
+
+    y, x = np.mgrid[0:h, 0:w] / max(w, h)
+    fields = np.stack([np.sin(6 * x + k) * np.cos(4 * y - k) for k in range(3)], -1)
+    grain = np.random.default_rng(0).normal(0, 8, (h, w, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(fields * 90 + 128 + grain, 0, 255).astype(np.uint8)).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("name", ["vit", "clip"])
+def test_a_large_jpeg_is_decoded_small_and_preprocessed_as_the_whole_decode_would_be(
+    towers, name
+) -> None:
+    from PIL import Image
+
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(towers[name]),
+                                    "input": "image"}, "m")  # fmt: skip
+    assert tower_inputs.image_side(cfg) == 32  # ViT: 32 x 32; CLIP: shortest edge 32, crop 32
+    raw = photo_jpeg(640, 400)
+    ours = decode(data_uri("image/jpeg", raw), cfg)
+    whole = tower_inputs.preprocess_image(Image.open(io.BytesIO(raw)).convert("RGB"), cfg)
+    assert ours.shape == whole.shape == (3, 32, 32)
+    step = 1 / 255 / 0.5  # a grey level in ViT's normalised units (std 0.5; CLIP's is stricter)
+    assert (ours - whole).abs().mean() < step and not torch.equal(ours, whole)
+
+
+def test_no_smaller_decode_where_the_processor_keeps_the_image_s_size(towers, tmp_path) -> None:
+    import transformers as tf
+
+    shutil.copytree(towers["vit"], tmp_path / "vit")
+    tf.ViTImageProcessor(do_resize=False).save_pretrained(tmp_path / "vit")
+    cfg = ModalityConfig.from_dict({"kind": "transformers", "model": str(tmp_path / "vit"),
+                                    "input": "image"}, "m")  # fmt: skip
+    assert tower_inputs.image_side(cfg) is None
