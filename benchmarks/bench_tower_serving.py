@@ -582,10 +582,13 @@ def main() -> None:
           f"{'served':>8} {'ratio':>6} {'p50':>8} {'p50-1fw':>8} {'-decode':>8} "
           f"{'busy':>9}")  # fmt: skip
     figures["heap"] = {}
+    photo = None
+    if args.photo:
+        width, height = (int(v) for v in args.photo.lower().split("x"))
+        photo = (width, height)
     for kind in args.modalities.split(","):
         name = QUERY_OF[kind]
-        photo = tuple(int(v) for v in args.photo.split("x")) if args.photo else None
-        pool = query_pool(kind, POOL[kind], args.clip_seconds, photo=photo)  # type: ignore[arg-type]
+        pool = query_pool(kind, POOL[kind], args.clip_seconds, photo=photo)
         values = work / f"pool-{kind}.json"
         values.write_text(json.dumps(pool))  # the limit's inputs are as distinct as the served
         bodies = work / f"bodies-{kind}.jsonl"

@@ -70,22 +70,24 @@ SIDES = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_
 
 
 def image_side(cfg: ModalityConfig) -> int | None:
-    """The longest side the tower's image processor resizes or crops an image to: every side of
-    the image it is given may be that long and lose nothing (models.encoders.image decodes a
-    JPEG no larger). None where the processor keeps an image's own size, or sizes it by pixel
-    count."""
+    """The longest side the tower's image processor resizes or crops an image to: an image whose
+    sides are all at least that long loses nothing the processor keeps (models.encoders.image
+    decodes a JPEG no smaller). None where the processor keeps an image's own size, sizes it
+    by pixel count, or gives its size in a form not known here."""
     processor = load_processor(cfg).processor
     if not getattr(processor, "do_resize", False):
         return None
     sides: list[int] = []
     for size in (getattr(processor, "size", None), getattr(processor, "crop_size", None)):
+        if size is None:
+            continue
         if isinstance(size, int):
             sides.append(size)
             continue
-        fields = size if isinstance(size, dict) else vars(size) if size is not None else {}
-        if fields.get("min_pixels") or fields.get("max_pixels"):
-            return None
-        sides += [int(v) for k, v in fields.items() if k in SIDES and v]
+        fields = size if isinstance(size, dict) else getattr(size, "__dict__", None)
+        if not isinstance(fields, dict) or fields.get("min_pixels") or fields.get("max_pixels"):
+            return None  # a JPEG decoded whole, as before: never smaller than it must be
+        sides += [int(v) for k, v in fields.items() if k in SIDES and isinstance(v, int) and v]
     return max(sides) if sides else None
 
 
