@@ -3,6 +3,7 @@ Pillow reads, resized to `image_size`."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,7 @@ def decode_image_file(
     Pillow's `draft` (as its own `Image.thumbnail` does): a 1080p photo bound for 224 x 224
     decodes twice as fast, a 12-megapixel one 4 to 5 times, and once resized its pixels are
     on average 0.3 to 1.6 grey levels from the whole decode's (benchmarks/bench_image_decode.py).
-    Other formats are decoded whole.
+    Other formats are decoded whole. The image comes upright, as its EXIF orientation says.
 
     The source's pixels are released on every path: a decode that fails part-way has already
     allocated the whole image, and an error whose traceback kept a frame holding it would keep
@@ -69,13 +70,26 @@ def decode_image_file(
         opened = Image.open(io.BytesIO(data))
         if at_least is not None and opened.format == "JPEG":
             opened.draft(opened.mode, (at_least, at_least))  # its own mode: only the scale
-        return opened.convert(mode)
+        image = opened.convert(mode)
     except Exception:  # PIL's decoders raise many undocumented types on hostile bytes
-        pass
+        image = None
     finally:
         if opened is not None:
             opened.close()  # frees the source's pixels, decoded or half-decoded
-    raise InputError(UNREADABLE)  # outside the except block: no context chain to PIL's frames
+    if image is None:
+        raise InputError(UNREADABLE)  # outside the except block: no context chain to PIL's frames
+    return upright(image)
+
+
+def upright(image: Any) -> Any:
+    """`image` turned as its EXIF Orientation tag says (a phone's portrait photo is stored on
+    its side with that tag), in place, as transformers' `load_image` does; an image whose EXIF
+    cannot be read is left as it was stored."""
+    from PIL import ImageOps
+
+    with contextlib.suppress(Exception):  # a malformed EXIF block: the pixels decoded, keep them
+        ImageOps.exif_transpose(image, in_place=True)
+    return image
 
 
 def decode_image(

@@ -258,3 +258,24 @@ def test_a_jpeg_is_decoded_no_larger_than_its_resize_needs(fmt, at_least, size) 
     Image.new("RGB", (1280, 960), (90, 140, 200)).save(buf, fmt)
     image = decode_image_file(buf.getvalue(), InputLimits(), "RGB", at_least)
     assert image.size == size and image.getpixel((10, 10))[2] > 190
+
+
+def test_a_photo_comes_upright_as_its_exif_orientation_says_and_bad_exif_is_ignored() -> None:
+    """A phone stores a portrait photo on its side with EXIF Orientation 6 (turn 90 degrees
+    clockwise to view); a malformed EXIF block leaves the pixels as stored, not an error."""
+    from models.encoders.image import decode_image_file
+
+    stored = Image.new("RGB", (1200, 900), (0, 0, 255))
+    stored.paste((255, 0, 0), (0, 0, 600, 900))  # the stored left half: the top once upright
+    portrait = Image.Exif()
+    portrait[0x0112] = 6
+    for exif, size, top in [
+        (portrait.tobytes(), (225, 300), "red"),
+        (b"Exif\x00\x00II*\x00\xff\xff\xff\xff not a directory", (300, 225), "blue"),
+        (b"", (300, 225), "blue"),
+    ]:
+        buf = io.BytesIO()
+        stored.save(buf, "JPEG", exif=exif)
+        image = decode_image_file(buf.getvalue(), InputLimits(), "RGB", 224)
+        r, _, b = image.getpixel((image.size[0] // 2, 5))
+        assert image.size == size and ("red" if r > b else "blue") == top
