@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from models.encoders.image import decode_image_file
+from models.encoders.tower_inputs import processor_side
 from models.limits import InputLimits
 
 
@@ -40,15 +41,6 @@ def photo(width: int, height: int, seed: int = 0) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, "JPEG", quality=90)
     return buf.getvalue()
-
-
-SIDES = ("height", "width", "shortest_edge")
-
-
-def side_of(processor: Any) -> int:
-    """The longest side a default ViT or CLIP processor resizes or crops to."""
-    sizes = [s for s in (processor.size, getattr(processor, "crop_size", None)) if s is not None]
-    return max(v for s in sizes for k, v in vars(s).items() if k in SIDES and v)
 
 
 def timed(data: bytes, processor: Any, side: int | None, limits: InputLimits) -> tuple[float, Any]:
@@ -73,7 +65,7 @@ def main() -> None:
     print(f"{'processor':9} {'photo':>10} {'KB':>6} {'whole':>8} {'scaled':>8} {'ratio':>6} "
           f"{'decoded':>10} {'mean diff':>10} {'max diff':>9}")  # fmt: skip
     for name, processor in processors.items():
-        side = side_of(processor)
+        side = processor_side(processor)
         std = float(np.mean(processor.image_std))
         for size in args.sizes.split(","):
             w, h = (int(v) for v in size.split("x"))

@@ -70,11 +70,16 @@ SIDES = ("height", "width", "shortest_edge", "longest_edge", "max_height", "max_
 
 
 def image_side(cfg: ModalityConfig) -> int | None:
-    """The longest side the tower's image processor resizes or crops an image to: an image whose
-    sides are all at least that long loses nothing the processor keeps (models.encoders.image
-    decodes a JPEG no smaller). None where the processor keeps an image's own size, sizes it
-    by pixel count, or gives its size in a form not known here."""
-    processor = load_processor(cfg).processor
+    """The longest side the tower's image processor resizes or crops an image to (see
+    processor_side)."""
+    return processor_side(load_processor(cfg).processor)
+
+
+def processor_side(processor: Any) -> int | None:
+    """The longest side a transformers image processor resizes or crops an image to: an image
+    whose sides are all at least that long loses nothing the processor keeps
+    (models.encoders.image decodes a JPEG no smaller). None where the processor keeps an
+    image's own size, sizes it by pixel count, or gives its size in a form not known here."""
     if not getattr(processor, "do_resize", False):
         return None
     sides: list[int] = []
