@@ -110,7 +110,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # outermost: every response gets its request id and the instance that answered it
     app.add_middleware(request_context, instance=instance)
     # Routes are matched in order: the search routes, the busiest, come first.
-    for module in (search, ops, records):
+    search.install(app)
+    for module in (ops, records):
         app.include_router(module.router)
     page.install(app, settings.media_dir)
     api_doc.install(app, settings, lambda: _current(app))

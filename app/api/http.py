@@ -1,5 +1,5 @@
-"""HTTP plumbing: JSON bodies parsed into their request model in one call, orjson responses, and
-the one error response.
+"""HTTP plumbing: JSON bodies parsed into their request model in one call, orjson responses, the
+one error response, and the plain route the search routes are served through.
 
 A body is read only after the route's key check (a dependency of the router, solved before the
 body's), then parsed and validated in one call by pydantic's own JSON parser
@@ -11,15 +11,18 @@ body is parsed on a thread, so the event loop goes on serving meanwhile.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse as StarletteJSONResponse
+from starlette.routing import request_response
 
 from app.core.errors import ApiError, envelope, retry_after
 
@@ -69,3 +72,27 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
     model (app.api.openapi adds its schema to the components)."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+class PlainRoute(APIRoute):
+    """A route that FastAPI documents and Starlette runs. Its endpoint is `async def f(request)
+    -> Response` and takes its inputs itself (deps.search_inputs), so FastAPI's handler around
+    it (dependency solving, two exit stacks, telemetry hooks) does nothing for it but cost:
+    a fifth of the event loop's time a search, with the included router's matching
+    (docs/benchmarks/tower_serving.md). It is called as a Starlette endpoint, whose request
+    handling (exception handlers included) is the same; the OpenAPI document is FastAPI's,
+    from the declaration. Any other endpoint is refused when the route is declared."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, endpoint, **kwargs)
+        takes = list(inspect.signature(endpoint).parameters)
+        if (
+            not inspect.iscoroutinefunction(endpoint)
+            or takes != [self.dependant.request_param_name]
+            or self.dependant.dependencies
+        ):
+            raise TypeError(
+                f"route {path}: a PlainRoute takes `async def f(request: Request) -> Response` "
+                f"with no dependencies, not {endpoint.__name__}{inspect.signature(endpoint)}"
+            )
+        self.app = request_response(endpoint)

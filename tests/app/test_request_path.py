@@ -5,9 +5,16 @@ Retry-After, and every request is counted under its route."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import orjson
 import pytest
+from fastapi import APIRouter, Depends, Request
+from starlette.responses import Response
+from starlette.routing import Route
 
+from app.api.http import PlainRoute
+from app.main import create_app
 from tests.app.conftest import running, settings_for
 
 FAST = {"content-type": "application/json"}
@@ -97,3 +104,49 @@ def test_requests_are_counted_under_the_route(vector_index) -> None:
         ok = 'hclip_requests_total{endpoint="/v1/search",method="POST",status="200"} 3.0'
         bad = 'hclip_requests_total{endpoint="/v1/search",method="POST",status="422"} 1.0'
         assert ok in text and bad in text
+
+
+def test_search_routes_are_plain_routes_first_on_the_apps_own_router() -> None:
+    # FastAPI matches an included router's routes twice a request and wraps each endpoint in
+    # its dependency solving: the search routes skip both (app.api.http.PlainRoute).
+    app = create_app(settings_for(Path("unused")))
+    routes = [(type(r), getattr(r, "path", None)) for r in app.router.routes]
+    paths = ["/v1/search", "/v1/search/batch", "/v1/embed"]
+    at = routes.index((PlainRoute, paths[0]))
+    assert routes[at : at + 3] == [(PlainRoute, p) for p in paths]
+    # before them only FastAPI's own pages (/openapi.json, /docs, /redoc), plain Starlette routes
+    assert {kind for kind, _ in routes[:at]} == {Route}
+    documented = app.openapi()["paths"]
+    for p in paths:
+        operation = documented[p]["post"]
+        assert "requestBody" in operation and "200" in operation["responses"]
+
+
+async def _takes_a_query(request: Request, k: int = 10) -> Response:
+    return Response()
+
+
+async def _key() -> str:
+    return "k"
+
+
+async def _plain(request: Request) -> Response:
+    return Response()
+
+
+def _sync(request: Request) -> Response:
+    return Response()
+
+
+@pytest.mark.parametrize(
+    "endpoint, dependencies",
+    [(_takes_a_query, None), (_sync, None), (_plain, [Depends(_key)])],
+    ids=["a query parameter", "not async", "a dependency"],
+)
+def test_a_plain_route_refuses_what_fastapi_would_have_to_solve(endpoint, dependencies) -> None:
+    # FastAPI would fill these in; a PlainRoute would call the endpoint without them, so it
+    # refuses them where the route is declared rather than failing every request.
+    router = APIRouter(route_class=PlainRoute)
+    with pytest.raises(TypeError, match="route /x: a PlainRoute takes"):
+        router.add_api_route("/x", endpoint, methods=["POST"], dependencies=dependencies)
+    router.add_api_route("/y", _plain, methods=["POST"])  # the one form it takes
