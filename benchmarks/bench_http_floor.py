@@ -5,11 +5,12 @@ own share is read. Prints figures; it is not a test (a shared machine is noisy).
     python benchmarks/bench_http_floor.py --bodies W/bodies-text.jsonl --wait-ms 0
 
 `W` is bench_tower_serving.py's work directory (its text queries). Served by uvicorn as `hclip
-serve` runs it (httptools, uvloop, workers = cores, no access log), two apps in turn: a
-Starlette route and a FastAPI route, each reading the body, parsing it (orjson), waiting
---wait-ms as a tower's encode would (so that requests arrive at a served rate, not at the
-floor's own, where uvloop batches more events a wake-up) and answering canned bytes of a real
-response's size (10 results). wrk sends the queries at 32 connections; the workers' main
+serve` runs it (httptools, uvloop, workers = cores, no access log), three apps in turn: a
+Starlette route, a FastAPI route, and the FastAPI route declared as the service declares its
+search routes (`plain`: app.api.http.PlainRoute on the app's own router), each reading the
+body, parsing it (orjson), waiting --wait-ms as a tower's encode would (so that requests arrive
+at a served rate, not at the floor's own, where uvloop batches more events a wake-up) and
+answering canned bytes of a real response's size (10 results). wrk sends the queries at 32 connections; the workers' main
 threads' CPU (utime + stime from /proc) over the requests answered is the floor, the figure
 bench_tower_serving.py prints as `loop` for the service.
 """
@@ -62,11 +63,18 @@ def make_app() -> Any:
     async def ready(request: Request) -> Response:
         return Response(b"{}", media_type="application/json")
 
-    if os.environ["FLOOR_APP"] == "fastapi":
+    if os.environ["FLOOR_APP"] in ("fastapi", "plain"):
         from fastapi import FastAPI
 
+        from app.api.http import PlainRoute
+
         app = FastAPI()
-        app.post("/v1/search")(search)
+        if os.environ["FLOOR_APP"] == "plain":  # as the service's search routes are served
+            app.router.add_api_route(
+                "/v1/search", search, methods=["POST"], route_class_override=PlainRoute
+            )
+        else:
+            app.post("/v1/search")(search)
         app.get("/readyz")(ready)
         return app
     from starlette.applications import Starlette
@@ -108,7 +116,7 @@ def main() -> None:
     args = p.parse_args()
     print(f"{bench_server.cpu_model()}, {usable_cores()} workers, wait {args.wait_ms:g} ms")
     for _ in range(args.rounds):
-        for kind in ("starlette", "fastapi"):
+        for kind in ("starlette", "fastapi", "plain"):
             got = floor(kind, args.bodies, args.wait_ms, args.seconds, args.port)
             print(f"{kind:10} {got['qps']:8.0f} q/s at 32 connections, event loops' CPU "
                   f"{got['loop_cpu_ms_per_request']:.3f} ms a request", flush=True)  # fmt: skip
