@@ -10,9 +10,9 @@ Starlette route, a FastAPI route, and the FastAPI route declared as the service 
 search routes (`plain`: app.api.http.PlainRoute on the app's own router), each reading the
 body, parsing it (orjson), waiting --wait-ms as a tower's encode would (so that requests arrive
 at a served rate, not at the floor's own, where uvloop batches more events a wake-up) and
-answering canned bytes of a real response's size (10 results). wrk sends the queries at 32 connections; the workers' main
-threads' CPU (utime + stime from /proc) over the requests answered is the floor, the figure
-bench_tower_serving.py prints as `loop` for the service.
+answering canned bytes of a real response's size (10 results). wrk sends the queries at 32
+connections; the workers' main threads' CPU (utime + stime from /proc) over the requests
+answered is the floor, the figure bench_tower_serving.py prints as `loop` for the service.
 """
 
 from __future__ import annotations
