@@ -47,10 +47,9 @@ R = TypeVar("R")
 GATHER_TURNS = 8  # at most this many turns of the event loop spent gathering a batch
 # A tower's call under load waits at most this share of the last call's time, and at most
 # HOLD_MAX_S, for the inputs the last call answered to come back: that bounds what a lone
-# query arriving just after a burst pays. Half, not less: for a cheap tower (int8 MiniLM) the
-# event loop takes nearly half a call's time to read a cohort's next queries, and a shorter
-# hold split the cohort into two smaller calls (docs/benchmarks/tower_serving.md).
-ENCODE_HOLD_SHARE = 0.5
+# query arriving just after a burst pays, and is many times the few ms a cohort of clients
+# takes to send again.
+ENCODE_HOLD_SHARE = 0.25
 HOLD_MAX_S = 0.05
 
 
