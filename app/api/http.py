@@ -1,11 +1,11 @@
 """HTTP plumbing: JSON bodies parsed into their request model in one call, orjson responses, the
 one error response, and the plain route the search routes are served through.
 
-A body is read only after the route's key check (a dependency of the router, solved before the
-body's), then parsed and validated in one call by pydantic's own JSON parser
-(`model_validate_json`): its limits are the parser's (nesting depth) and the schema's (how many
-modalities, numbers, filter fields, queries), so no second parser scans the bytes first. A large
-body is parsed on a thread, so the event loop goes on serving meanwhile.
+A body is read only after the route's key check (a dependency of the router, or first in
+deps.search_inputs for the search routes), then parsed and validated in one call by pydantic's
+own JSON parser (`model_validate_json`): its limits are the parser's (nesting depth) and the
+schema's (how many modalities, numbers, filter fields, queries), so no second parser scans the
+bytes first. A large body is parsed on a thread, so the event loop goes on serving meanwhile.
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ def body_schema(model: type[BaseModel]) -> dict[str, Any]:
 class PlainRoute(APIRoute):
     """A route that FastAPI documents and Starlette runs. Its endpoint is `async def f(request)
     -> Response` and takes its inputs itself (deps.search_inputs), so FastAPI's handler around
-    it (dependency solving, two exit stacks, telemetry hooks) does nothing for it but cost:
-    a fifth of the event loop's time a search, with the included router's matching
-    (docs/benchmarks/tower_serving.md). It is called as a Starlette endpoint, whose request
-    handling (exception handlers included) is the same; the OpenAPI document is FastAPI's,
-    from the declaration. Any other endpoint is refused when the route is declared."""
+    it (dependency solving, two exit stacks, telemetry hooks) does nothing for it but cost the
+    event loop, as the included router's matching did (docs/benchmarks/tower_serving.md). It
+    is called as a Starlette endpoint, whose request handling (exception handlers included) is
+    the same; the OpenAPI document is FastAPI's, from the declaration. Any other endpoint is
+    refused when the route is declared."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, endpoint, **kwargs)

@@ -1,7 +1,8 @@
-"""POST /v1/search on its one path (FastAPI's route; it had a second one in front of the framework
-until issue 39): every JSON content type gets the same results, every client mistake a 4xx
-envelope carrying the request's id, bodies over the limit a 413, no version a 503 with
-Retry-After, and every request is counted under its route."""
+"""POST /v1/search on its one path (a PlainRoute: FastAPI's declaration, Starlette's call; it
+had a second path in front of the framework until issue 39): every JSON content type gets the
+same results, every client mistake a 4xx envelope carrying the request's id, bodies over the
+limit a 413, no version a 503 with Retry-After, and every request is counted under its route;
+a PlainRoute refuses an endpoint FastAPI would have to fill in."""
 
 from __future__ import annotations
 
