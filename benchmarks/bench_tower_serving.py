@@ -14,9 +14,12 @@ H-CLIP model over them is untrained (d = 256), and its index holds --records rec
 search itself costs microseconds beside a tower). For each query modality and runtime
 (HCLIP_ENCODER_RUNTIME), in one run:
 - limit: the bare tower on all cores, inputs decoded beforehand: its single forward (median of
-  batch-1 calls, one process with every core's thread), the median decode of those raw inputs
-  timed apart (what a raw query costs before its forward; the bar on p50 does not allow for
-  it), and its throughput at the batch size the service formed at 32 connections (read from
+  batch-1 calls, one process with every core's thread), from the decoded input through the
+  tower's processor and model as `transformers` runs them (a text's tokenizer, an image's
+  processor, a clip's feature extractor; the image processor's share is printed); the median
+  decode of those raw inputs timed apart (what a raw query costs before its tower: the base64
+  and the file's format, a PNG's or a WAV's; the bar on p50 does not allow for it); and its
+  throughput at the batch size the service formed at 32 connections (read from
   /metrics), the larger of one process with every core's thread and one process per worker
   with its share (tokenizers without its Rayon pool, as `hclip serve` runs it), run together;
   its inputs are the served pool's (distinct, as the served queries are); it runs while the
@@ -30,7 +33,12 @@ search itself costs microseconds beside a tower). For each query modality and ru
   served q/s counts queries: what a client's own batching buys (the bars are on single queries);
 - wrk's own CPU during the 32-connection load, in cores (it shares this machine's cores);
 - the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward (and p50
-  - decode - single forward: what the service adds beyond a raw query's own work); with
+  - decode - single forward: what the service adds beyond a raw query's own work); and the
+  latter taken in turn (`in turn`, lone_in_turn): lone queries to the server idle between the
+  loads alternating with the bare tower's single forward of the same inputs, the median of the
+  pairs' differences (a lone query follows an idle moment, and on a shared VM a forward
+  after one can be a tenth slower than the limit's back-to-back forwards, far more than the
+  3 ms the bar allows: medians taken minutes apart, in two states, do not resolve it); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
 - where the server's CPU went during the first 32-connection load, per query answered (each
@@ -54,6 +62,7 @@ from __future__ import annotations
 import argparse
 import base64
 import functools
+import http.client
 import io
 import itertools
 import json
@@ -69,6 +78,7 @@ import wave
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -134,7 +144,10 @@ def query_pool(
     return out
 
 
-BARE = """
+# The bare tower, in a process of its own: argv[1] the model, argv[2] the modality, argv[3]
+# the pool of raw inputs (JSON). `tower_input(v)` is a raw input's decode, then what the
+# tower's single forward starts from.
+TOWER = """
 import json, os, statistics, sys, time, torch
 from pathlib import Path
 from models.checkpoint import load_model
@@ -144,23 +157,49 @@ from models.limits import DEFAULT_LIMITS
 runtime = Runtime(os.environ["HCLIP_ENCODER_RUNTIME"], Path(sys.argv[1]) / "onnx",
                   int(os.environ["HCLIP_TORCH_THREADS"]))  # as the service makes it
 model = load_model(Path(sys.argv[1])).to_inference("auto", runtime=runtime)
-name, batch = sys.argv[2], int(sys.argv[3])
-seconds, start_at = float(sys.argv[5]), float(sys.argv[6])
-values = json.load(open(sys.argv[4]))
+name, values = sys.argv[2], json.load(open(sys.argv[3]))
 cfg = model.cfg.modalities[name]
 items = [decode(v, cfg, None, DEFAULT_LIMITS) for v in values]
-singles, decodes = [], []
+# An image's tower starts at its processor, as a text's does at its tokenizer and a clip's at
+# its feature extractor (the service runs an image's processor where it decodes the file).
+image = cfg.kind == "transformers" and cfg.input == "image"
+if image:
+    from models.encoders.image import decode_image_file
+    from models.encoders.media import read_bytes
+    from models.encoders.tower_inputs import image_side, preprocess_image
+    side = image_side(cfg)
+
+def single(i):  # seconds: the raw input's decode, its processor (images), its single forward
+    v, x = values[i % len(values)], items[i % len(items)]
+    t0 = time.perf_counter()
+    if image:  # the file's bytes to an RGB image, then the processor's pixels
+        pil = decode_image_file(read_bytes(v, None, "image", DEFAULT_LIMITS), DEFAULT_LIMITS,
+                                "RGB", side)
+        t1 = time.perf_counter()
+        x = preprocess_image(pil, cfg)
+    else:
+        decode(v, cfg, None, DEFAULT_LIMITS)  # what a raw query costs before its tower
+        t1 = time.perf_counter()
+    t2 = time.perf_counter()
+    with torch.inference_mode():
+        model.encode(name, [x])
+    return t1 - t0, t2 - t1, time.perf_counter() - t1
+
 with torch.inference_mode():
     for x in items[:3]:
         model.encode(name, [x])  # loaded, exported where the runtime exports, warm
-    if sys.argv[7] == "1":
-        for v, x in list(zip(values, items))[: max(5, min(30, len(items)))]:
-            t0 = time.perf_counter()
-            decode(v, cfg, None, DEFAULT_LIMITS)  # what a raw query costs before its forward
-            t1 = time.perf_counter()
-            model.encode(name, [x])
-            singles.append(time.perf_counter() - t1)
-            decodes.append(t1 - t0)
+"""
+
+BARE = (
+    TOWER
+    + """
+batch, seconds, start_at = int(sys.argv[4]), float(sys.argv[5]), float(sys.argv[6])
+singles, decodes, processors = [], [], []
+if sys.argv[7] == "1":
+    for i in range(max(5, min(30, len(items)))):
+        took = single(i)
+        decodes.append(took[0]); processors.append(took[1]); singles.append(took[2])
+with torch.inference_mode():
     model.encode(name, items[:batch])
     time.sleep(max(0.0, start_at - time.time()))  # processes measured together start together
     n, t0 = 0, time.perf_counter()
@@ -170,8 +209,21 @@ with torch.inference_mode():
     took = time.perf_counter() - t0
 print(json.dumps({"single_ms": 1e3 * statistics.median(singles) if singles else None,
                   "decode_ms": 1e3 * statistics.median(decodes) if decodes else None,
+                  "processor_ms": 1e3 * statistics.median(processors) if processors else None,
                   "qps": n / took}))
 """
+)
+
+# The same tower, answering on request: a line with the input's number in, its single
+# forward's seconds out (the lone queries below alternate with the service's).
+ON_REQUEST = (
+    TOWER
+    + """
+print("ready", flush=True)
+for line in sys.stdin:
+    print(json.dumps(single(int(line))[2]), flush=True)
+"""
+)
 
 
 HEAP = """
@@ -229,7 +281,7 @@ def bare(
         )
         if not single:  # processes beside each other run tokenizers as the service does
             env["TOKENIZERS_PARALLELISM"] = "false"
-        argv = [str(model), name, str(batch), str(pool), str(seconds), str(start_at)]
+        argv = [str(model), name, str(pool), str(batch), str(seconds), str(start_at)]
         return subprocess.Popen(
             [sys.executable, "-c", BARE, *argv, "1" if single else "0"],
             env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
@@ -248,6 +300,7 @@ def bare(
     return {
         "single_ms": one["single_ms"],
         "decode_ms": one["decode_ms"],
+        "processor_ms": one["processor_ms"],
         "batch": batch,
         "qps_one_process": one["qps"],
         "qps_per_worker_processes": shared,
@@ -364,6 +417,75 @@ def encode_batches(url: str, name: str) -> tuple[float, float]:
     return got.get("sum", 0.0), got.get("count", 0.0)
 
 
+# Between a lone query and the bare forward: libgomp's threads spin a few ms before they
+# sleep (the bare tower keeps its default), and one process's spinning would slow the other's.
+IDLE_S = 0.05
+
+
+def lone_in_turn(
+    model: Path,
+    name: str,
+    pool: Path,
+    bodies: Path,
+    runtime: str,
+    seconds: float,
+    url: str,
+) -> dict[str, Any]:
+    """Lone queries in turn with the bare tower's single forward of the same input, one at a
+    time, for `seconds` (20 pairs at least): a query to the service (its latency at the
+    client, a keep-alive connection), then the input's single forward in a process of its own
+    with every core's thread, each once the other's threads are idle (IDLE_S). The median of
+    the pairs' differences is what the service adds to a lone query beyond its tower, both
+    sides run from the same idle state and the machine's drift taken out."""
+    cores = usable_cores()
+    env = bench_towers.env_for(cores, HCLIP_ENCODER_RUNTIME=runtime, HCLIP_TORCH_THREADS=str(cores))
+    tower = subprocess.Popen(
+        [sys.executable, "-c", ON_REQUEST, str(model), name, str(pool)],
+        env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    assert tower.stdin is not None and tower.stdout is not None
+    split = urlsplit(url)
+    conn = http.client.HTTPConnection(split.hostname or "127.0.0.1", split.port, timeout=600)
+    lines = bodies.read_text().splitlines()
+    served_s: list[float] = []
+    bare_s: list[float] = []
+    try:
+        if tower.stdout.readline().strip() != "ready":
+            raise SystemExit("the bare tower for lone queries did not start")
+        until = time.perf_counter() + seconds
+        while len(served_s) < 20 or time.perf_counter() < until:
+            i = len(served_s)
+            t0 = time.perf_counter()
+            conn.request("POST", "/v1/search", lines[i % len(lines)].encode(),
+                         {"Content-Type": "application/json"})  # fmt: skip
+            answer = conn.getresponse()
+            answer.read()
+            took = time.perf_counter() - t0
+            if answer.status != 200:
+                raise SystemExit(f"a lone query was answered {answer.status}")
+            time.sleep(IDLE_S)
+            tower.stdin.write(f"{i}\n")
+            tower.stdin.flush()
+            bare_s.append(float(tower.stdout.readline()))
+            served_s.append(took)
+            time.sleep(IDLE_S)
+    finally:
+        conn.close()
+        tower.kill()
+        tower.wait()
+    over = [1e3 * (s - b) for s, b in zip(served_s, bare_s, strict=True)]
+    quartiles = statistics.quantiles(over, n=4)
+    return {
+        "pairs": len(over),
+        "served_p50_ms": 1e3 * statistics.median(served_s),
+        "single_ms": 1e3 * statistics.median(bare_s),
+        "over_single_ms": statistics.median(over),
+        # the median's standard error is about 1.25 x (IQR / 1.35) / sqrt(pairs)
+        "over_single_quartiles_ms": [quartiles[0], quartiles[2]],
+    }
+
+
 def served(
     root: Path,
     name: str,
@@ -377,13 +499,15 @@ def served(
     top10: bool = True,
     per_request: int = 1,
     between: Callable[[int], dict[str, Any]] | None = None,
+    lone: Callable[[str], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """`hclip serve` from the checkout `code` (this one by default) under the loads; with
     `top10`, the first queries' top-10 ids too (runtimes compared). With `per_request` > 1,
     each line of `bodies` holds that many queries, sent to /v1/search/batch, and q/s counts
     queries. With `between`, it is called with the batch the 32-connection load formed while
     the server idles (the bare tower's limit), and that load is run again after it: a drift of
-    the machine's pace between the two shows in their q/s."""
+    the machine's pace between the two shows in their q/s. With `lone`, it is called with the
+    server's URL after the 1-connection load (lone_in_turn)."""
     path = "/v1/search" if per_request == 1 else "/v1/search/batch"
     workers = usable_cores()
     env = bench_server.env_for(
@@ -413,6 +537,7 @@ def served(
         wait_idle(pids)  # the requests wrk left queued are answered before the next load
         one = bench_server.wrk(url, 1, seconds, WRK_POOL % (bodies, 0, path), timeout_s)
         wait_idle(pids)
+        in_turn = {} if lone is None or per_request > 1 else {"lone_in_turn": lone(url)}
         samples: list[tuple[int, int]] = []
         result: dict[str, Any] = {}
 
@@ -452,6 +577,7 @@ def served(
             extra["32_connections_again"] = again
         return {
             **extra,
+            **in_turn,
             "1_connection": one,
             "32_connections": result,
             "encode_batch_mean": batch,
@@ -508,8 +634,14 @@ def before_and_after(
 def spread(rows: list[dict[str, Any]], kind: str, label: str) -> None:
     """The median and range of a runtime's repeated served / limit and p50 - single forward."""
     mine = [r for r in rows if (r["query"], r["label"]) == (kind, label)]
-    for key, fmt in (("ratio", "{:.2f}"), ("p50_over_single_ms", "{:+.1f} ms")):
-        got = sorted(r[key] for r in mine)
+    for key, fmt in (
+        ("ratio", "{:.2f}"),
+        ("p50_over_single_ms", "{:+.1f} ms"),
+        ("over_single_in_turn_ms", "{:+.1f} ms"),
+    ):
+        got = sorted(r[key] for r in mine if key in r)
+        if not got:
+            continue
         print(
             f"  {kind} {label}, {len(got)} repeats: {key} median "
             + fmt.format(statistics.median(got))
@@ -579,7 +711,7 @@ def main() -> None:
     figures: dict[str, Any] = {"cpu": bench_server.cpu_model(), "cores": cores, "rows": []}
     print(f"{figures['cpu']}, {cores} cores; workers = {cores}; loads of {args.seconds:g} s")
     print(f"{'query':6} {'runtime':10} {'single':>8} {'decode':>7} {'limit':>8} {'batch':>6} "
-          f"{'served':>8} {'ratio':>6} {'p50':>8} {'p50-1fw':>8} {'-decode':>8} "
+          f"{'served':>8} {'ratio':>6} {'p50':>8} {'p50-1fw':>8} {'-decode':>8} {'in turn':>8} "
           f"{'busy':>9}")  # fmt: skip
     figures["heap"] = {}
     photo = None
@@ -622,6 +754,7 @@ def main() -> None:
                     bare, model, name, pool=values, seconds=min(args.seconds, 15.0),
                     runtime=runtime,
                 ),
+                lone=functools.partial(lone_in_turn, model, name, values, bodies, runtime, seconds),
             )  # fmt: skip
             lim, batch = srv["limit"], srv["limit"]["batch"]
             # served: the two 32-connection loads around the limit's run, and how far apart
@@ -640,6 +773,9 @@ def main() -> None:
             row["p50_over_single_ms"] = srv["1_connection"]["p50_ms"] - lim["single_ms"]
             # what the service adds beyond the work a raw query needs: its decode and forward
             row["p50_over_decode_and_single_ms"] = row["p50_over_single_ms"] - lim["decode_ms"]
+            in_turn = srv.get("lone_in_turn")
+            if in_turn is not None:  # the same, lone queries and forwards taken in turn
+                row["over_single_in_turn_ms"] = in_turn["over_single_ms"]
             torch_row = next((r for r in figures["rows"] if r["query"] == kind and
                               r["runtime"] == "torch" and r["served"]["top10"]), None)  # fmt: skip
             if torch_row is not None and runtime != "torch" and srv["top10"]:
@@ -653,8 +789,22 @@ def main() -> None:
                 f"{served_qps:8.1f} {row['ratio']:6.2f} "
                 f"{srv['1_connection']['p50_ms']:6.1f}ms {row['p50_over_single_ms']:+7.1f}ms "
                 f"{row['p50_over_decode_and_single_ms']:+7.1f}ms "
-                f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}"
-                f" conn. {srv['connections_per_worker']}"
+                + (f"{in_turn['over_single_ms']:+7.1f}ms " if in_turn is not None else f"{'':9}")
+                + f"{srv['busy_threads_mean']:4.1f}/{srv['busy_threads_max']:<3d}"
+                + (
+                    f" single: processor {lim['processor_ms']:.1f} + forward"
+                    f" {lim['single_ms'] - lim['processor_ms']:.1f} ms"
+                    if kind == "image"
+                    else ""
+                )
+                + (
+                    " in turn: {pairs} pairs, quartiles {0:+.1f} and {1:+.1f} ms".format(
+                        *in_turn["over_single_quartiles_ms"], pairs=in_turn["pairs"]
+                    )
+                    if in_turn is not None
+                    else ""
+                )
+                + f" conn. {srv['connections_per_worker']}"
                 f" served {loads[0]:.1f} then {loads[1]:.1f}"
                 f" wrk {srv['32_connections']['client_cores']:.2f} cores"
                 f" cpu/query: loop {cpu['loop']:.2f} + threads {cpu['threads']:.2f} ms"
