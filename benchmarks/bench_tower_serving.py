@@ -145,8 +145,8 @@ def query_pool(
 
 
 # The bare tower, in a process of its own: argv[1] the model, argv[2] the modality, argv[3]
-# the pool of raw inputs (JSON). `tower_input(v)` is a raw input's decode, then what the
-# tower's single forward starts from.
+# the pool of raw inputs (JSON). `single(i)` times the i-th input's decode, the processor's
+# share (images) and the single forward from the decoded input.
 TOWER = """
 import json, os, statistics, sys, time, torch
 from pathlib import Path
