@@ -6,6 +6,7 @@ figures; it is not a test (a shared machine is noisy).
     python benchmarks/bench_tower_serving.py --work DIR --seconds 10   # towers and index kept
     python benchmarks/bench_tower_serving.py --before ../before --rounds 3  # a change's effect
     python benchmarks/bench_tower_serving.py --repeat 3     # each ratio's spread, in turn
+    python benchmarks/bench_tower_serving.py --pairs 400    # lone queries: a median to ~1 ms
     python benchmarks/bench_tower_serving.py --per-request 1,8  # and 8 queries a request
 
 The towers and records are bench_towers.py's: ViT-B/16 (224 x 224), wav2vec 2.0 base (5-s clips
@@ -36,9 +37,11 @@ search itself costs microseconds beside a tower). For each query modality and ru
   - decode - single forward: what the service adds beyond a raw query's own work); and the
   latter taken in turn (`in turn`, lone_in_turn): lone queries to the server idle between the
   loads alternating with the bare tower's single forward of the same inputs, the median of the
-  pairs' differences (a lone query follows an idle moment, and on a shared VM a forward
-  after one can be a tenth slower than the limit's back-to-back forwards, far more than the
-  3 ms the bar allows: medians taken minutes apart, in two states, do not resolve it); with
+  pairs' differences and its standard error, over --pairs pairs at least (a lone query
+  follows an idle moment, and on a shared VM a forward after one can be a tenth slower than
+  the limit's back-to-back forwards, far more than the 3 ms the bar allows: medians taken
+  minutes apart, in two states, do not resolve it; a ViT-B/16 forward varies by tens of ms
+  from one to the next here, and a median within about 1 ms takes 400 pairs); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
 - where the server's CPU went during the first 32-connection load, per query answered (each
@@ -429,10 +432,11 @@ def lone_in_turn(
     bodies: Path,
     runtime: str,
     seconds: float,
+    pairs: int,
     url: str,
 ) -> dict[str, Any]:
     """Lone queries in turn with the bare tower's single forward of the same input, one at a
-    time, for `seconds` (20 pairs at least): a query to the service (its latency at the
+    time, for `seconds` and `pairs` pairs at least: a query to the service (its latency at the
     client, a keep-alive connection), then the input's single forward in a process of its own
     with every core's thread, each once the other's threads are idle (IDLE_S). The median of
     the pairs' differences is what the service adds to a lone query beyond its tower, both
@@ -456,7 +460,7 @@ def lone_in_turn(
         if tower.stdout.readline().strip() != "ready":
             raise SystemExit("the bare tower for lone queries did not start")
         until = time.perf_counter() + seconds
-        while len(served_s) < 20 or time.perf_counter() < until:
+        while len(served_s) < pairs or time.perf_counter() < until:
             i = len(served_s)
             t0 = time.perf_counter()
             conn.request("POST", "/v1/search", lines[i % len(lines)].encode(),
@@ -483,8 +487,9 @@ def lone_in_turn(
         "served_p50_ms": 1e3 * statistics.median(served_s),
         "single_ms": 1e3 * statistics.median(bare_s),
         "over_single_ms": statistics.median(over),
-        # the median's standard error is about 1.25 x (IQR / 1.35) / sqrt(pairs)
         "over_single_quartiles_ms": [quartiles[0], quartiles[2]],
+        # a median's standard error, about 1.25 x sigma / sqrt(n), sigma taken as IQR / 1.35
+        "over_single_se_ms": 1.25 * (quartiles[2] - quartiles[0]) / 1.35 / len(over) ** 0.5,
     }
 
 
@@ -686,6 +691,13 @@ def main() -> None:
         help="WIDTHxHEIGHT: image queries are photo-like JPEGs of that size "
         "(bench_image_decode.py) instead of 256 x 256 PNGs",
     )
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=20,
+        help="lone queries taken in turn with the bare tower's forward: at least this many "
+        "pairs, however short the load (a ViT-B/16 median within 1 ms here takes hundreds)",
+    )
     p.add_argument("--port", type=int, default=8731)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     p.add_argument(
@@ -756,7 +768,9 @@ def main() -> None:
                     bare, model, name, pool=values, seconds=min(args.seconds, 15.0),
                     runtime=runtime,
                 ),
-                lone=functools.partial(lone_in_turn, model, name, values, bodies, runtime, seconds),
+                lone=functools.partial(
+                    lone_in_turn, model, name, values, bodies, runtime, seconds, args.pairs
+                ),
             )  # fmt: skip
             lim, batch = srv["limit"], srv["limit"]["batch"]
             # served: the two 32-connection loads around the limit's run, and how far apart
@@ -800,8 +814,11 @@ def main() -> None:
                     else ""
                 )
                 + (
-                    " in turn: {pairs} pairs, quartiles {0:+.1f} and {1:+.1f} ms".format(
-                        *in_turn["over_single_quartiles_ms"], pairs=in_turn["pairs"]
+                    " in turn: {pairs} pairs, quartiles {0:+.1f} and {1:+.1f} ms, median's"
+                    " standard error {se:.1f} ms".format(
+                        *in_turn["over_single_quartiles_ms"],
+                        pairs=in_turn["pairs"],
+                        se=in_turn["over_single_se_ms"],
                     )
                     if in_turn is not None
                     else ""
