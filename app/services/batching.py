@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ import torch
 
 from app.core.errors import Overloaded
 from app.services.core_share import CoreShare
+from app.services.threads import TeamThread
 from indexer.search.view import Searchable
 from models.encoders import decode
 from models.heads import Head
@@ -274,20 +276,31 @@ def encode_batcher(
     max_pending: int = 1024,
     on_batch: Callable[[int], None] | None = None,
     core_share: CoreShare | None = None,
+    team: TeamThread | None = None,
+    threads: int = 1,
 ) -> MicroBatcher[Any, np.ndarray]:
     """Items are raw inputs (or, for `vector`, the tensors the request's checks decoded);
     results are (d,) float32 embeddings, or the item's own InputError, which the caller names
     with its field. A `vector` encoder is a small MLP, cheaper than a hop to a thread and back:
     it runs inline on the event loop; the other kinds go to `executor`, each call with the
-    threads `core_share` gives it (None: the executor's own)."""
+    threads `core_share` gives it (None: `threads`), on `team`'s thread where it is given more
+    than one (towers computed by torch: TeamThread says why)."""
     cfg = model.cfg.modalities[modality]
     share = None if cfg.kind == "vector" else core_share
+    team = None if cfg.kind == "vector" else team
+
+    def forward(decoded: list[Any]) -> np.ndarray:
+        return model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
 
     def encode(decoded: list[Any]) -> np.ndarray:
-        with torch.inference_mode(), contextlib.ExitStack() as stack:
+        with contextlib.ExitStack() as stack:
+            n = threads if share is None else stack.enter_context(share.threads(len(decoded)))
+            if team is not None:
+                return team.run(n, functools.partial(forward, decoded))
             if share is not None:
-                torch.set_num_threads(stack.enter_context(share.threads(len(decoded))))
-            return model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
+                torch.set_num_threads(n)
+            with torch.inference_mode():
+                return forward(decoded)
 
     def run(values: list[Any]) -> list[np.ndarray | Exception]:
         out: list[np.ndarray | Exception] = []

@@ -1,4 +1,5 @@
-"""The service's worker threads: one for searches, one per modality for encodes.
+"""The service's worker threads: one for searches, one per modality for encodes, and one that
+runs every torch call given more than one thread (TeamThread).
 
 OpenMP keeps its thread count per thread, so each pool sets its own in an initializer that runs
 in the thread itself; a setting made on the event loop's thread would not reach them. One
@@ -8,7 +9,10 @@ thread per encoder kind means that a slow image decode never delays an audio or 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import faiss
 import torch
@@ -16,6 +20,7 @@ import torch
 from app.services.core_share import CoreShare
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def search_thread_setup(faiss_threads: int, torch_threads: int) -> None:
@@ -25,6 +30,40 @@ def search_thread_setup(faiss_threads: int, torch_threads: int) -> None:
 
 def _torch_thread(threads: int) -> None:
     torch.set_num_threads(threads)
+
+
+def on_threads(threads: int, call: Callable[[], T]) -> T:
+    """`call()` on this thread with `threads` torch threads, without autograd bookkeeping."""
+    torch.set_num_threads(threads)
+    with torch.inference_mode():
+        return call()
+
+
+class TeamThread:
+    """The one thread of a worker that runs torch calls on more than one thread.
+
+    torch's OpenMP keeps a team of threads for each thread that calls it, and libgomp stops
+    spinning between parallel regions in every team once the teams of a process hold more
+    threads than there are cores: each region then waits for its threads to wake. Two encode
+    threads that had each run a lone query on every core made ViT-B/16's later lone forwards
+    an eighth slower (docs/benchmarks/tower_serving.md). So a call given more than one thread
+    runs here when this thread is free, and otherwise on its caller's thread with one thread,
+    which starts no team (two calls at once would share the cores anyway)."""
+
+    def __init__(self) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-team")
+        self._free = threading.Lock()
+
+    def run(self, threads: int, call: Callable[[], T]) -> T:
+        if threads > 1 and self._free.acquire(blocking=False):
+            try:
+                return self._executor.submit(on_threads, threads, call).result()
+            finally:
+                self._free.release()
+        return on_threads(1, call)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True)
 
 
 class WorkerPools:
@@ -40,6 +79,7 @@ class WorkerPools:
             initargs=(search_threads, torch_threads),
         )
         self._encoders: dict[str, ThreadPoolExecutor] = {}
+        self.team = TeamThread()
 
     def encoder(self, modality: str) -> ThreadPoolExecutor:
         """The pool that encodes `modality` (created on first use; modalities come with the
@@ -59,5 +99,6 @@ class WorkerPools:
         self.search.shutdown(wait=True)
         for pool in self._encoders.values():
             pool.shutdown(wait=True)
+        self.team.shutdown()
         if self.core_share is not None:
             self.core_share.close()

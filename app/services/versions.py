@@ -261,6 +261,8 @@ class VersionManager:
             serving.encoders[name] = encode_batcher(
                 model, name, self.pools.encoder(name), s.batch_max, wait_s, limits, s.max_pending,
                 self.metrics.encode_batch_size.labels(name).observe, self.pools.core_share,
+                # ONNX Runtime computes its towers on its own threads, not torch's OpenMP teams
+                None if s.encoder_runtime != "torch" else self.pools.team, s.encode_threads,
             )  # fmt: skip
         return serving
 

@@ -1,0 +1,107 @@
+"""A worker's torch calls on more than one thread all run on one thread (TeamThread), so that
+the process keeps one OpenMP team and libgomp keeps spinning between a forward's regions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from app.services.threads import TeamThread
+
+# Three caller threads, each making a torch call on 2 threads that starts a parallel region;
+# prints how many threads the process gained. `team`: through a TeamThread; `direct`: each
+# on its own thread, as the service did before.
+CALLERS = """
+import os, sys, threading, torch
+from app.services.threads import TeamThread, on_threads
+torch.set_num_threads(1)
+before = len(os.listdir("/proc/self/task"))
+team = TeamThread()
+big = torch.ones(4_000_000)
+def call():  # far above torch's grain size: a parallel region on every thread it is given
+    return float(big.mul(2.0).sum())
+hold = threading.Event()
+def caller():
+    if sys.argv[1] == "team":
+        team.run(2, call)
+    else:
+        on_threads(2, call)
+    hold.wait(30)  # alive: a thread's OpenMP team lives as long as it does
+callers = [threading.Thread(target=caller) for _ in range(3)]
+for t in callers:
+    t.start()
+    t.join(0.5)  # one after the other: each finds the team thread free
+print(len(os.listdir("/proc/self/task")) - before - len(callers), flush=True)
+hold.set()
+"""
+
+
+@pytest.mark.parametrize(("how", "gained"), [("team", 2), ("direct", 3)])
+def test_calls_from_many_threads_keep_one_openmp_team(how: str, gained: int) -> None:
+    """Through the team thread: that thread and its one OpenMP worker, however many callers;
+    directly: one OpenMP worker per caller (what made libgomp stop spinning)."""
+    out = subprocess.run(
+        [sys.executable, "-c", CALLERS, how], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == gained
+
+
+def test_a_call_given_several_threads_runs_on_the_team_thread() -> None:
+    team = TeamThread()
+    try:
+        seen = team.run(
+            3,
+            lambda: (
+                threading.current_thread().name,
+                torch.get_num_threads(),
+                torch.is_inference_mode_enabled(),
+            ),
+        )
+        assert seen[0].startswith("torch-team")
+        assert seen[1:] == (3, True)
+        mine = team.run(1, lambda: (threading.current_thread(), torch.get_num_threads()))
+        assert mine == (threading.current_thread(), 1)  # one thread: no hop
+    finally:
+        team.shutdown()
+
+
+def test_while_the_team_thread_is_busy_a_call_runs_on_its_callers_thread_with_one() -> None:
+    team = TeamThread()
+    inside, release = threading.Event(), threading.Event()
+
+    def long_call() -> str:
+        inside.set()
+        release.wait(10)
+        return threading.current_thread().name
+
+    first: list[str] = []
+    t = threading.Thread(target=lambda: first.append(team.run(2, long_call)))
+    t.start()
+    try:
+        assert inside.wait(10)
+        here = team.run(4, lambda: (threading.current_thread(), torch.get_num_threads()))
+        assert here == (threading.current_thread(), 1)
+    finally:
+        release.set()
+        t.join(10)
+    assert first[0].startswith("torch-team")
+    team.shutdown()
+
+
+def test_a_failing_call_raises_to_its_caller_and_frees_the_team_thread() -> None:
+    team = TeamThread()
+
+    def broken() -> None:
+        raise ValueError("tower broke")
+
+    try:
+        with pytest.raises(ValueError, match="tower broke"):
+            team.run(2, broken)
+        assert team.run(2, lambda: threading.current_thread().name).startswith("torch-team")
+    finally:
+        team.shutdown()
