@@ -26,7 +26,9 @@ search itself costs microseconds beside a tower). For each query modality and ru
   its inputs are the served pool's (distinct, as the served queries are); it runs while the
   server idles between two 32-connection loads, and served q/s is their mean: a drift of the
   machine's pace over the run shows as the gap between the two (printed);
-- served: `hclip serve --workers CORES`, caches off (HCLIP_CACHE_MAX_BYTES=0, no Redis), queries
+- served: `hclip serve --workers CORES`, caches off (HCLIP_CACHE_MAX_BYTES=0, no Redis), every
+  tower of the model having first answered lone queries in every worker (a server serves them
+  all, and what one tower leaves in a worker can slow another: app/services/threads.py), queries
   drawn in turn from a pool of distinct inputs (text: every query its own sentence), by wrk at
   1 connection (p50) and 32 connections (q/s answered with results; the request deadline is
   raised to the load's timeout, so that a queue of slow queries is measured, not the deadline);
@@ -493,6 +495,26 @@ def lone_in_turn(
     }
 
 
+def every_tower_answers(url: str, bodies: list[str], workers: int) -> None:
+    """Lone queries of every modality, each on a connection of its own, 8 per worker: the
+    kernel spreads new connections over the workers' sockets, so every worker has almost surely
+    answered each (two workers: all but a 1-in-128 chance)."""
+    split = urlsplit(url)
+    host = split.hostname or "127.0.0.1"
+    for body in bodies:
+        for _ in range(8 * workers):
+            conn = http.client.HTTPConnection(host, split.port, timeout=600)
+            try:
+                conn.request("POST", "/v1/search", body.encode(),
+                             {"Content-Type": "application/json"})  # fmt: skip
+                answer = conn.getresponse()
+                answer.read()
+                if answer.status != 200:
+                    raise SystemExit(f"a lone query was answered {answer.status}: {body[:80]}")
+            finally:
+                conn.close()
+
+
 def served(
     root: Path,
     name: str,
@@ -507,6 +529,7 @@ def served(
     per_request: int = 1,
     between: Callable[[int], dict[str, Any]] | None = None,
     lone: Callable[[str], dict[str, Any]] | None = None,
+    every_modality: list[str] | None = None,
 ) -> dict[str, Any]:
     """`hclip serve` from the checkout `code` (this one by default) under the loads; with
     `top10`, the first queries' top-10 ids too (runtimes compared). With `per_request` > 1,
@@ -514,7 +537,8 @@ def served(
     queries. With `between`, it is called with the batch the 32-connection load formed while
     the server idles (the bare tower's limit), and that load is run again after it: a drift of
     the machine's pace between the two shows in their q/s. With `lone`, it is called with the
-    server's URL after the 1-connection load (lone_in_turn)."""
+    server's URL after the 1-connection load (lone_in_turn). `every_modality`: a lone query's
+    body for each modality of the model, answered first (every_tower_answers)."""
     path = "/v1/search" if per_request == 1 else "/v1/search/batch"
     workers = usable_cores()
     env = bench_server.env_for(
@@ -536,6 +560,7 @@ def served(
     try:
         # the first start under ONNX exports every tower before it is ready
         bench_server.wait_ready(url, server, limit_s=1800.0)
+        every_tower_answers(url, every_modality or [], workers)
         n = len(bodies.read_text().splitlines())
         warm = max(4.0, seconds / 4)
         # every worker warm
@@ -734,6 +759,10 @@ def main() -> None:
     if args.photo:
         width, height = (int(v) for v in args.photo.lower().split("x"))
         photo = (width, height)
+    every_modality = [  # one query of each, none of them in the measured pools
+        json.dumps({"query": {name: query_pool(kind, 1, args.clip_seconds, seed=2)[0]}, "k": 10})
+        for kind, name in QUERY_OF.items()
+    ]
     for kind in args.modalities.split(","):
         name = QUERY_OF[kind]
         pool = query_pool(kind, POOL[kind], args.clip_seconds, photo=photo)
@@ -773,6 +802,7 @@ def main() -> None:
                 lone=functools.partial(
                     lone_in_turn, model, name, values, bodies, runtime, seconds, args.pairs
                 ),
+                every_modality=every_modality,
             )  # fmt: skip
             lim, batch = srv["limit"], srv["limit"]["batch"]
             # served: the two 32-connection loads around the limit's run, and how far apart
@@ -842,8 +872,9 @@ def main() -> None:
                 spread(figures["rows"], kind, label)
             if args.before is not None and threads == "auto" and per == 1 and repeat == 0:
                 serve = functools.partial(
-                    served, root, name, bodies, seconds, runtime, "auto", args.port, timeout_s
-                )
+                    served, root, name, bodies, seconds, runtime, "auto", args.port, timeout_s,
+                    every_modality=every_modality,
+                )  # fmt: skip
                 row["before_and_after"] = before_and_after(
                     args.before, args.rounds, kind, runtime, serve
                 )

@@ -1,0 +1,148 @@
+"""Lone raw queries of every modality to a server that serves them all, and a change's effect on
+them: two checkouts' servers side by side, queries alternating between them. Prints figures; it
+is not a test (a shared machine is noisy).
+
+    python benchmarks/bench_lone_mixed.py --work W                       # this checkout
+    python benchmarks/bench_lone_mixed.py --work W --before ../before    # before -> after
+
+The towers, records and model are bench_tower_serving.py's (ViT-B/16, wav2vec 2.0 base, MiniLM
+under an untrained H-CLIP model; `--work` keeps them). Each server is `hclip serve --workers
+CORES` with caches off under --runtime; every tower first answers lone queries in every worker
+(bench_tower_serving.every_tower_answers), as on a server whose clients send every modality.
+Then, modality by modality, --pairs lone queries (a connection each, IDLE_S apart) go to one
+server and then the other, the order swapped every pair: each side's median latency at the
+client, and the median of the pairs' differences (after - before) with its quartiles. A lone
+query is what a user's first query after a quiet moment meets: what one tower's calls leave in
+a worker must not slow another's (app/services/threads.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import bench_server  # noqa: E402  (env_for, wait_ready, stop, cpu_model)
+import bench_towers  # noqa: E402  (the towers, records and model)
+from bench_tower_serving import (  # noqa: E402
+    QUERY_OF,
+    build_index,
+    every_tower_answers,
+    query_pool,
+)
+
+from models.machine import usable_cores  # noqa: E402
+
+IDLE_S = 0.05  # between queries: each meets the server idle, its OpenMP threads asleep
+
+
+def start(code: Path, root: Path, runtime: str, port: int) -> subprocess.Popen[bytes]:
+    env = bench_server.env_for(
+        code, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
+        HCLIP_ENCODER_RUNTIME=runtime, HCLIP_REQUEST_TIMEOUT_S="120",
+    )  # fmt: skip
+    env.pop("OMP_NUM_THREADS", None)  # the service sizes its own pools from cores and workers
+    env.pop("HCLIP_TORCH_THREADS", None)
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(usable_cores())]
+    server = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    bench_server.wait_ready(f"http://127.0.0.1:{port}", server, limit_s=1800.0)
+    return server
+
+
+def lone(port: int, body: str) -> float:
+    """ms from sending a query on a new connection to its answer's last byte."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/search", body.encode(), {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        answer.read()
+        took = 1e3 * (time.perf_counter() - t0)
+    finally:
+        conn.close()
+    if answer.status != 200:
+        raise SystemExit(f"a lone query was answered {answer.status}")
+    return took
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--work", type=Path, help="keep the towers, records and index here")
+    p.add_argument("--records", type=int, default=32, help="records in the index")
+    p.add_argument("--clip-seconds", type=float, default=5.0, help="audio clips' length")
+    p.add_argument("--runtime", default="torch", help="HCLIP_ENCODER_RUNTIME of both servers")
+    p.add_argument("--modalities", default="image,text,audio", help="those measured")
+    p.add_argument("--pairs", type=int, default=40, help="lone queries per modality and server")
+    p.add_argument(
+        "--before", type=Path, help="a checkout of earlier code (git worktree add DIR REV)"
+    )
+    p.add_argument("--port", type=int, default=8741)
+    p.add_argument("--out", type=Path, help="write the figures here as JSON")
+    args = p.parse_args()
+    if args.pairs < 4:
+        p.error(f"--pairs: {args.pairs} is too few for a median and its quartiles (4 at least)")
+    work = args.work or Path(tempfile.mkdtemp(prefix="hclip-lone-mixed-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cores = usable_cores()
+    ns = argparse.Namespace(records=args.records, seconds=args.clip_seconds)
+    records, model, _ = bench_towers.prepare(work, ns, cores)
+    root = work / "root"
+    build_index(model, records, root)
+    sides = {"after": REPO} if args.before is None else {"before": args.before, "after": REPO}
+    bodies = {
+        kind: [json.dumps({"query": {name: v}, "k": 10})
+               for v in query_pool(kind, args.pairs, args.clip_seconds)]
+        for kind, name in QUERY_OF.items()
+    }  # fmt: skip
+    warm = [b[0] for b in bodies.values()]
+    print(f"{bench_server.cpu_model()}, {cores} cores; workers = {cores}; {args.runtime}")
+    rows: list[dict[str, object]] = []
+    servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
+    try:
+        for i, (side, code) in enumerate(sides.items()):
+            port = args.port + i
+            servers[side] = (start(code, root, args.runtime, port), port)
+            every_tower_answers(f"http://127.0.0.1:{port}", warm, cores)
+        for kind in args.modalities.split(","):
+            took: dict[str, list[float]] = {side: [] for side in servers}
+            order = list(servers)
+            for i in range(args.pairs):
+                for side in order if i % 2 == 0 else order[::-1]:
+                    time.sleep(IDLE_S)
+                    took[side].append(lone(servers[side][1], bodies[kind][i]))
+            row: dict[str, object] = {"query": kind, "runtime": args.runtime, "pairs": args.pairs}
+            row.update({f"{side}_p50_ms": statistics.median(t) for side, t in took.items()})
+            line = f"{kind:6} " + ", ".join(
+                f"{side} {statistics.median(t):.1f} ms" for side, t in took.items()
+            )
+            if "before" in took:
+                diff = [a - b for a, b in zip(took["after"], took["before"], strict=True)]
+                q = statistics.quantiles(diff, n=4)
+                row["after_minus_before_ms"] = statistics.median(diff)
+                row["quartiles_ms"] = [q[0], q[2]]
+                line += (
+                    f"; after - before {statistics.median(diff):+.1f} ms "
+                    f"(quartiles {q[0]:+.1f} and {q[2]:+.1f}), {args.pairs} pairs"
+                )
+            rows.append(row)
+            print(line, flush=True)
+    finally:
+        for server, _ in servers.values():
+            bench_server.stop(server)
+    if args.out:
+        figures = {"cpu": bench_server.cpu_model(), "cores": cores, "rows": rows}
+        args.out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
