@@ -4,6 +4,7 @@ is not a test (a shared machine is noisy).
 
     python benchmarks/bench_lone_mixed.py --work W                       # this checkout
     python benchmarks/bench_lone_mixed.py --work W --before ../before    # before -> after
+    python benchmarks/bench_lone_mixed.py --work W --before ../before --workers 1 --load 30
 
 The towers, records and model are bench_tower_serving.py's (ViT-B/16, wav2vec 2.0 base, MiniLM
 under an untrained H-CLIP model; `--work` keeps them). Each server is `hclip serve --workers
@@ -13,7 +14,9 @@ Then, modality by modality, --pairs lone queries (a connection each, IDLE_S apar
 server and then the other, the order swapped every pair: each side's median latency at the
 client, and the median of the pairs' differences (after - before) with its quartiles. A lone
 query is what a user's first query after a quiet moment meets: what one tower's calls leave in
-a worker must not slow another's (app/services/threads.py).
+a worker must not slow another's (app/services/threads.py). With --load S, each server then
+takes text and image queries at once, 16 connections of each for S seconds (wrk), one server
+after the other: each modality's q/s and p50 while the other's calls share the cores.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,7 +38,9 @@ sys.path.insert(0, str(HERE))
 import bench_server  # noqa: E402  (env_for, wait_ready, stop, cpu_model)
 import bench_towers  # noqa: E402  (the towers, records and model)
 from bench_tower_serving import (  # noqa: E402
+    POOL,
     QUERY_OF,
+    WRK_POOL,
     build_index,
     every_tower_answers,
     query_pool,
@@ -45,14 +51,14 @@ from models.machine import usable_cores  # noqa: E402
 IDLE_S = 0.05  # between queries: each meets the server idle, its OpenMP threads asleep
 
 
-def start(code: Path, root: Path, runtime: str, port: int) -> subprocess.Popen[bytes]:
+def start(code: Path, root: Path, runtime: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     env = bench_server.env_for(
         code, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
         HCLIP_ENCODER_RUNTIME=runtime, HCLIP_REQUEST_TIMEOUT_S="120",
     )  # fmt: skip
     env.pop("OMP_NUM_THREADS", None)  # the service sizes its own pools from cores and workers
     env.pop("HCLIP_TORCH_THREADS", None)
-    cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(usable_cores())]
+    cmd = [sys.executable, "-m", "app.cli", "serve", "--workers", str(workers)]
     server = subprocess.Popen(cmd, cwd=code, env=env, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)  # fmt: skip
     bench_server.wait_ready(f"http://127.0.0.1:{port}", server, limit_s=1800.0)
@@ -75,6 +81,24 @@ def lone(port: int, body: str) -> float:
     return took
 
 
+def mixed_load(port: int, files: dict[str, Path], seconds: float) -> dict[str, dict[str, float]]:
+    """Text and image queries at once, 16 connections each: each modality's q/s and p50."""
+    url = f"http://127.0.0.1:{port}"
+    script = {kind: WRK_POOL % (path, 0, "/v1/search") for kind, path in files.items()}
+    bench_server.wrk(url, 4, 5, script["image"], 60.0)  # every worker's image batches warm
+    got: dict[str, dict[str, float]] = {}
+
+    def load(kind: str) -> None:
+        got[kind] = bench_server.wrk(url, 16, seconds, script[kind], 60.0)
+
+    loads = [threading.Thread(target=load, args=(kind,)) for kind in files]
+    for t in loads:
+        t.start()
+    for t in loads:
+        t.join()
+    return {kind: {"qps": got[kind]["qps"], "p50_ms": got[kind]["p50_ms"]} for kind in files}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, help="keep the towers, records and index here")
@@ -85,6 +109,10 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=40, help="lone queries per modality and server")
     p.add_argument(
         "--before", type=Path, help="a checkout of earlier code (git worktree add DIR REV)"
+    )
+    p.add_argument("--workers", type=int, help="workers of each server (default: one per core)")
+    p.add_argument(
+        "--load", type=float, default=0.0, help="then text and image loads at once, this long"
     )
     p.add_argument("--port", type=int, default=8741)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
@@ -101,17 +129,22 @@ def main() -> None:
     sides = {"after": REPO} if args.before is None else {"before": args.before, "after": REPO}
     bodies = {
         kind: [json.dumps({"query": {name: v}, "k": 10})
-               for v in query_pool(kind, args.pairs, args.clip_seconds)]
+               for v in query_pool(kind, POOL[kind], args.clip_seconds)]
         for kind, name in QUERY_OF.items()
     }  # fmt: skip
+    files = {}
+    for kind in ("text", "image"):
+        files[kind] = work / f"bodies-mixed-{kind}.jsonl"
+        files[kind].write_text("".join(b + "\n" for b in bodies[kind]))
     warm = [b[0] for b in bodies.values()]
-    print(f"{bench_server.cpu_model()}, {cores} cores; workers = {cores}; {args.runtime}")
+    workers = args.workers or cores
+    print(f"{bench_server.cpu_model()}, {cores} cores; workers = {workers}; {args.runtime}")
     rows: list[dict[str, object]] = []
     servers: dict[str, tuple[subprocess.Popen[bytes], int]] = {}
     try:
         for i, (side, code) in enumerate(sides.items()):
             port = args.port + i
-            servers[side] = (start(code, root, args.runtime, port), port)
+            servers[side] = (start(code, root, args.runtime, port, workers), port)
             every_tower_answers(f"http://127.0.0.1:{port}", warm, cores)
         for kind in args.modalities.split(","):
             took: dict[str, list[float]] = {side: [] for side in servers}
@@ -119,7 +152,7 @@ def main() -> None:
             for i in range(args.pairs):
                 for side in order if i % 2 == 0 else order[::-1]:
                     time.sleep(IDLE_S)
-                    took[side].append(lone(servers[side][1], bodies[kind][i]))
+                    took[side].append(lone(servers[side][1], bodies[kind][i % len(bodies[kind])]))
             row: dict[str, object] = {"query": kind, "runtime": args.runtime, "pairs": args.pairs}
             row.update({f"{side}_p50_ms": statistics.median(t) for side, t in took.items()})
             line = f"{kind:6} " + ", ".join(
@@ -136,6 +169,12 @@ def main() -> None:
                 )
             rows.append(row)
             print(line, flush=True)
+        for side, (_, port) in servers.items() if args.load else ():
+            mixed = mixed_load(port, files, args.load)
+            rows.append({"load": side, "workers": workers, "seconds": args.load, **mixed})
+            print(f"{side}: text and images at once, 16 connections each, {args.load:g} s: "
+                  + ", ".join(f"{kind} {m['qps']:.1f} q/s, p50 {m['p50_ms']:.1f} ms"
+                              for kind, m in mixed.items()), flush=True)  # fmt: skip
     finally:
         for server, _ in servers.values():
             bench_server.stop(server)

@@ -284,7 +284,7 @@ def encode_batcher(
     with its field. A `vector` encoder is a small MLP, cheaper than a hop to a thread and back:
     it runs inline on the event loop; the other kinds go to `executor`, each call with the
     threads `core_share` gives it (None: `threads`), on `team`'s thread where it is given more
-    than one (towers computed by torch: TeamThread says why)."""
+    than one and that thread is free (towers computed by torch: TeamThread says why)."""
     cfg = model.cfg.modalities[modality]
     share = None if cfg.kind == "vector" else core_share
     team = None if cfg.kind == "vector" else team
@@ -296,7 +296,8 @@ def encode_batcher(
         with contextlib.ExitStack() as stack:
             n = threads if share is None else stack.enter_context(share.threads(len(decoded)))
             if team is not None:
-                return team.run(n, functools.partial(forward, decoded))
+                floor = threads if share is None else share.floor  # the worker's fixed share
+                return team.run(n, functools.partial(forward, decoded), busy_threads=floor)
             if share is not None:
                 torch.set_num_threads(n)
             with torch.inference_mode():

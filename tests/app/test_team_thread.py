@@ -70,7 +70,7 @@ def test_a_call_given_several_threads_runs_on_the_team_thread() -> None:
         team.shutdown()
 
 
-def test_while_the_team_thread_is_busy_a_call_runs_on_its_callers_thread_with_one() -> None:
+def test_while_the_team_thread_is_busy_a_call_runs_on_its_callers_thread_with_its_share() -> None:
     team = TeamThread()
     inside, release = threading.Event(), threading.Event()
 
@@ -84,8 +84,11 @@ def test_while_the_team_thread_is_busy_a_call_runs_on_its_callers_thread_with_on
     t.start()
     try:
         assert inside.wait(10)
-        here = team.run(4, lambda: (threading.current_thread(), torch.get_num_threads()))
-        assert here == (threading.current_thread(), 1)
+        where = (threading.current_thread(), 1)
+        assert team.run(4, lambda: (threading.current_thread(), torch.get_num_threads())) == where
+        where = (threading.current_thread(), 2)  # the worker's share, when it is more than one
+        got = team.run(4, lambda: (threading.current_thread(), torch.get_num_threads()), 2)
+        assert got == where
     finally:
         release.set()
         t.join(10)
