@@ -119,6 +119,10 @@ def main() -> None:
     args = p.parse_args()
     if args.pairs < 4:
         p.error(f"--pairs: {args.pairs} is too few for a median and its quartiles (4 at least)")
+    unknown = set(args.modalities.split(",")) - set(QUERY_OF)
+    if unknown:
+        known = ", ".join(QUERY_OF)
+        p.error(f"--modalities: {', '.join(sorted(unknown))} unknown (known: {known})")
     work = args.work or Path(tempfile.mkdtemp(prefix="hclip-lone-mixed-"))
     work.mkdir(parents=True, exist_ok=True)
     cores = usable_cores()
@@ -145,7 +149,7 @@ def main() -> None:
         for i, (side, code) in enumerate(sides.items()):
             port = args.port + i
             servers[side] = (start(code, root, args.runtime, port, workers), port)
-            every_tower_answers(f"http://127.0.0.1:{port}", warm, cores)
+            every_tower_answers(f"http://127.0.0.1:{port}", warm, workers)
         for kind in args.modalities.split(","):
             took: dict[str, list[float]] = {side: [] for side in servers}
             order = list(servers)
