@@ -36,14 +36,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import bench_server  # noqa: E402  (env_for, wait_ready, stop, cpu_model)
-import bench_towers  # noqa: E402  (the towers, records and model)
 from bench_tower_serving import (  # noqa: E402
     POOL,
     QUERY_OF,
     WRK_POOL,
-    build_index,
     every_tower_answers,
     query_pool,
+    towers_and_index,
 )
 
 from models.machine import usable_cores  # noqa: E402
@@ -124,12 +123,8 @@ def main() -> None:
         known = ", ".join(QUERY_OF)
         p.error(f"--modalities: {', '.join(sorted(unknown))} unknown (known: {known})")
     work = args.work or Path(tempfile.mkdtemp(prefix="hclip-lone-mixed-"))
-    work.mkdir(parents=True, exist_ok=True)
     cores = usable_cores()
-    ns = argparse.Namespace(records=args.records, seconds=args.clip_seconds)
-    records, model, _ = bench_towers.prepare(work, ns, cores)
-    root = work / "root"
-    build_index(model, records, root)
+    _, root = towers_and_index(work, args.records, args.clip_seconds)
     sides = {"after": REPO} if args.before is None else {"before": args.before, "after": REPO}
     bodies = {
         kind: [json.dumps({"query": {name: v}, "k": 10})

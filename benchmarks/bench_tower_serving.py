@@ -692,6 +692,17 @@ def build_index(model: Path, records: Path, root: Path) -> None:
     )  # fmt: skip
 
 
+def towers_and_index(work: Path, records: int, clip_seconds: float) -> tuple[Path, Path]:
+    """The towers, records and model in `work` (made once, bench_towers.prepare) and an index
+    of the records published under `work`/root: the model's path and the root."""
+    work.mkdir(parents=True, exist_ok=True)
+    ns = argparse.Namespace(records=records, seconds=clip_seconds)
+    records_file, model, _ = bench_towers.prepare(work, ns, usable_cores())
+    root = work / "root"
+    build_index(model, records_file, root)
+    return model, root
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, help="keep the towers, records and index here")
@@ -743,12 +754,8 @@ def main() -> None:
     if args.pairs < 4:
         p.error(f"--pairs: {args.pairs} is too few for a median and its quartiles (4 at least)")
     work = args.work or Path(tempfile.mkdtemp(prefix="hclip-tower-serving-"))
-    work.mkdir(parents=True, exist_ok=True)
     cores = usable_cores()
-    ns = argparse.Namespace(records=args.records, seconds=args.clip_seconds)
-    records, model, _ = bench_towers.prepare(work, ns, cores)
-    root = work / "root"
-    build_index(model, records, root)
+    model, root = towers_and_index(work, args.records, args.clip_seconds)
     figures: dict[str, Any] = {"cpu": bench_server.cpu_model(), "cores": cores, "rows": []}
     print(f"{figures['cpu']}, {cores} cores; workers = {cores}; loads of {args.seconds:g} s")
     print(f"{'query':6} {'runtime':10} {'single':>8} {'decode':>7} {'limit':>8} {'batch':>6} "
