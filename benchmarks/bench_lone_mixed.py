@@ -5,6 +5,7 @@ is not a test (a shared machine is noisy).
     python benchmarks/bench_lone_mixed.py --work W                       # this checkout
     python benchmarks/bench_lone_mixed.py --work W --before ../before    # before -> after
     python benchmarks/bench_lone_mixed.py --work W --before ../before --workers 1 --load 30
+    python benchmarks/bench_lone_mixed.py --work W --before B --workers 1 --load 30 --load-first
 
 The towers, records and model are bench_tower_serving.py's (ViT-B/16, wav2vec 2.0 base, MiniLM
 under an untrained H-CLIP model; `--work` keeps them). Each server is `hclip serve --workers
@@ -16,7 +17,9 @@ client, and the median of the pairs' differences (after - before) with its quart
 query is what a user's first query after a quiet moment meets: what one tower's calls leave in
 a worker must not slow another's (app/services/threads.py). With --load S, each server then
 takes text and image queries at once, 16 connections of each for S seconds (wrk), one server
-after the other: each modality's q/s and p50 while the other's calls share the cores.
+after the other: each modality's q/s and p50 while the other's calls share the cores; with
+--load-first, before the lone queries, which then meet workers whose calls have overlapped (with
+fewer workers than cores, such calls each run on a team of OpenMP threads).
 """
 
 from __future__ import annotations
@@ -98,6 +101,23 @@ def mixed_load(port: int, files: dict[str, Path], seconds: float) -> dict[str, d
     return {kind: {"qps": got[kind]["qps"], "p50_ms": got[kind]["p50_ms"]} for kind in files}
 
 
+def loads(
+    servers: dict[str, tuple[subprocess.Popen[bytes], int]],
+    files: dict[str, Path],
+    seconds: float,
+    workers: int,
+) -> list[dict[str, object]]:
+    """mixed_load on each server in turn (none where `seconds` is 0): a row each, printed."""
+    rows: list[dict[str, object]] = []
+    for side, (_, port) in servers.items() if seconds else ():
+        mixed = mixed_load(port, files, seconds)
+        rows.append({"load": side, "workers": workers, "seconds": seconds, **mixed})
+        print(f"{side}: text and images at once, 16 connections each, {seconds:g} s: "
+              + ", ".join(f"{kind} {m['qps']:.1f} q/s, p50 {m['p50_ms']:.1f} ms"
+                          for kind, m in mixed.items()), flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--work", type=Path, help="keep the towers, records and index here")
@@ -113,11 +133,21 @@ def main() -> None:
     p.add_argument(
         "--load", type=float, default=0.0, help="then text and image loads at once, this long"
     )
+    p.add_argument(
+        "--load-first",
+        action="store_true",
+        help="run the loads before the lone queries: these then show what calls that overlapped "
+        "under load leave in a worker",
+    )
     p.add_argument("--port", type=int, default=8741)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = p.parse_args()
     if args.pairs < 4:
         p.error(f"--pairs: {args.pairs} is too few for a median and its quartiles (4 at least)")
+    if args.out is not None and not args.out.parent.is_dir():
+        p.error(f"--out: {args.out.parent} is not a folder")
+    if args.load_first and not args.load:
+        p.error("--load-first: give --load S too (the loads' length)")
     unknown = set(args.modalities.split(",")) - set(QUERY_OF)
     if unknown:
         known = ", ".join(QUERY_OF)
@@ -145,6 +175,8 @@ def main() -> None:
             port = args.port + i
             servers[side] = (start(code, root, args.runtime, port, workers), port)
             every_tower_answers(f"http://127.0.0.1:{port}", warm, workers)
+        if args.load_first:
+            rows += loads(servers, files, args.load, workers)
         for kind in args.modalities.split(","):
             took: dict[str, list[float]] = {side: [] for side in servers}
             order = list(servers)
@@ -168,12 +200,8 @@ def main() -> None:
                 )
             rows.append(row)
             print(line, flush=True)
-        for side, (_, port) in servers.items() if args.load else ():
-            mixed = mixed_load(port, files, args.load)
-            rows.append({"load": side, "workers": workers, "seconds": args.load, **mixed})
-            print(f"{side}: text and images at once, 16 connections each, {args.load:g} s: "
-                  + ", ".join(f"{kind} {m['qps']:.1f} q/s, p50 {m['p50_ms']:.1f} ms"
-                              for kind, m in mixed.items()), flush=True)  # fmt: skip
+        if not args.load_first:
+            rows += loads(servers, files, args.load, workers)
     finally:
         for server, _ in servers.values():
             bench_server.stop(server)

@@ -47,12 +47,14 @@ class TeamThread:
     threads than there are cores: each region then waits for its threads to wake. Two encode
     threads that had each run a lone query on every core made ViT-B/16's later lone forwards
     an eighth slower (docs/benchmarks/tower_serving.md). So a call given more than one thread
-    runs here when this thread is free. A call that finds it busy runs on its caller's thread
-    with `busy_threads`, the worker's fixed share: one thread where each worker has a core,
-    which starts no team; a team of its own where workers are fewer than cores, and libgomp
-    then stops spinning, as it should while two calls share the worker's cores (one worker on
-    two cores answering text and images at once: a spinning team beside a one-thread call took
-    text from 288 to 92 q/s)."""
+    runs here when this thread is free. A call that finds it busy gets `busy_threads`, the
+    worker's fixed share. One thread (each worker has a core) runs on the caller's thread and
+    starts no team. More (workers fewer than cores) run on a thread made for the call, whose
+    team libgomp frees when it ends: while the two calls share the worker's cores, libgomp
+    stops spinning, as it should (one worker on two cores answering text and images at once: a
+    spinning team beside a one-thread call took text from 288 to 92 q/s); once they are done,
+    the team thread's team spins again. A team left on a long-lived thread would slow every
+    later lone forward as much as the two encode threads did."""
 
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-team")
@@ -64,7 +66,11 @@ class TeamThread:
                 return self._executor.submit(on_threads, threads, call).result()
             finally:
                 self._free.release()
-        return on_threads(min(threads, busy_threads), call)
+        n = min(threads, busy_threads)
+        if n == 1:
+            return on_threads(1, call)
+        with ThreadPoolExecutor(1, thread_name_prefix="torch-overlap") as once:
+            return once.submit(on_threads, n, call).result()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)

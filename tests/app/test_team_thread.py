@@ -40,6 +40,58 @@ hold.set()
 """
 
 
+# The team thread busy with a call on 2 threads, a caller's call on its share of 2 threads;
+# prints how many threads the process holds beyond the caller and the team thread's team once
+# that call has returned (the caller alive). `team`: through the TeamThread; `caller`: on the
+# caller's own thread, as the service did before.
+BUSY = """
+import os, sys, threading, time, torch
+from app.services.threads import TeamThread, on_threads
+torch.set_num_threads(1)
+before = len(os.listdir("/proc/self/task"))
+team = TeamThread()
+big = torch.ones(4_000_000)
+inside, release, done = threading.Event(), threading.Event(), threading.Event()
+def long_call():
+    big.mul(2.0).sum()  # the team thread's team exists
+    inside.set()
+    release.wait(30)
+def call():
+    return float(big.mul(2.0).sum())
+def caller():
+    if sys.argv[1] == "team":
+        team.run(2, call, busy_threads=2)
+    else:
+        on_threads(2, call)
+    done.set()
+    release.wait(30)
+busy = threading.Thread(target=lambda: team.run(2, long_call))
+busy.start()
+inside.wait(30)
+alive = threading.Thread(target=caller)
+alive.start()
+done.wait(30)
+fewest = 99
+for _ in range(100):  # a thread's team goes after Python has joined it: what is left, at least
+    fewest = min(fewest, len(os.listdir("/proc/self/task")) - before)
+    time.sleep(0.02)
+print(fewest - 4, flush=True)  # beyond the team thread, its worker and the two callers
+release.set()
+"""
+
+
+@pytest.mark.parametrize(("how", "left"), [("team", 0), ("caller", 1)])
+def test_a_call_beside_the_busy_team_thread_leaves_no_openmp_team(how: str, left: int) -> None:
+    """A call on more than one thread while the team thread is busy: on a thread of its own that
+    ends with it, its OpenMP team goes too; on its caller's thread, the team stays as long as
+    the caller lives, and libgomp keeps every team from spinning."""
+    out = subprocess.run(
+        [sys.executable, "-c", BUSY, how], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == left
+
+
 @pytest.mark.parametrize(("how", "gained"), [("team", 2), ("direct", 3)])
 def test_calls_from_many_threads_keep_one_openmp_team(how: str, gained: int) -> None:
     """Through the team thread: that thread and its one OpenMP worker, however many callers;
@@ -70,7 +122,7 @@ def test_a_call_given_several_threads_runs_on_the_team_thread() -> None:
         team.shutdown()
 
 
-def test_while_the_team_thread_is_busy_a_call_runs_on_its_callers_thread_with_its_share() -> None:
+def test_while_the_team_thread_is_busy_a_call_runs_with_the_workers_share() -> None:
     team = TeamThread()
     inside, release = threading.Event(), threading.Event()
 
@@ -86,9 +138,10 @@ def test_while_the_team_thread_is_busy_a_call_runs_on_its_callers_thread_with_it
         assert inside.wait(10)
         where = (threading.current_thread(), 1)
         assert team.run(4, lambda: (threading.current_thread(), torch.get_num_threads())) == where
-        where = (threading.current_thread(), 2)  # the worker's share, when it is more than one
-        got = team.run(4, lambda: (threading.current_thread(), torch.get_num_threads()), 2)
-        assert got == where
+        # the worker's share, when it is more than one, on a thread made for the call
+        got = team.run(4, lambda: (threading.current_thread().name, torch.get_num_threads()), 2)
+        assert got[0].startswith("torch-overlap")
+        assert got[1] == 2
     finally:
         release.set()
         t.join(10)
