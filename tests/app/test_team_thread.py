@@ -142,6 +142,12 @@ def test_while_the_team_thread_is_busy_a_call_runs_with_the_workers_share() -> N
         got = team.run(4, lambda: (threading.current_thread().name, torch.get_num_threads()), 2)
         assert got[0].startswith("torch-overlap")
         assert got[1] == 2
+
+        def broken() -> None:
+            raise ValueError("tower broke beside a busy team thread")
+
+        with pytest.raises(ValueError, match="beside a busy team thread"):
+            team.run(4, broken, 2)  # raised to its caller from the thread made for it
     finally:
         release.set()
         t.join(10)
