@@ -25,7 +25,6 @@ fewer workers than cores, such calls each run on a team of OpenMP threads).
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import statistics
 import subprocess
@@ -44,6 +43,7 @@ from bench_tower_serving import (  # noqa: E402
     QUERY_OF,
     WRK_POOL,
     every_tower_answers,
+    lone_query,
     query_pool,
     towers_and_index,
 )
@@ -65,22 +65,6 @@ def start(code: Path, root: Path, runtime: str, port: int, workers: int) -> subp
                               stderr=subprocess.DEVNULL)  # fmt: skip
     bench_server.wait_ready(f"http://127.0.0.1:{port}", server, limit_s=1800.0)
     return server
-
-
-def lone(port: int, body: str) -> float:
-    """ms from sending a query on a new connection to its answer's last byte."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    try:
-        t0 = time.perf_counter()
-        conn.request("POST", "/v1/search", body.encode(), {"Content-Type": "application/json"})
-        answer = conn.getresponse()
-        answer.read()
-        took = 1e3 * (time.perf_counter() - t0)
-    finally:
-        conn.close()
-    if answer.status != 200:
-        raise SystemExit(f"a lone query was answered {answer.status}")
-    return took
 
 
 def mixed_load(port: int, files: dict[str, Path], seconds: float) -> dict[str, dict[str, float]]:
@@ -183,7 +167,8 @@ def main() -> None:
             for i in range(args.pairs):
                 for side in order if i % 2 == 0 else order[::-1]:
                     time.sleep(IDLE_S)
-                    took[side].append(lone(servers[side][1], bodies[kind][i % len(bodies[kind])]))
+                    url = f"http://127.0.0.1:{servers[side][1]}"
+                    took[side].append(lone_query(url, bodies[kind][i % len(bodies[kind])]))
             row: dict[str, object] = {"query": kind, "runtime": args.runtime, "pairs": args.pairs}
             row.update({f"{side}_p50_ms": statistics.median(t) for side, t in took.items()})
             line = f"{kind:6} " + ", ".join(

@@ -495,24 +495,30 @@ def lone_in_turn(
     }
 
 
+def lone_query(url: str, body: str) -> float:
+    """A search on a connection of its own: ms from sending it to its answer's last byte."""
+    split = urlsplit(url)
+    conn = http.client.HTTPConnection(split.hostname or "127.0.0.1", split.port, timeout=600)
+    try:
+        t0 = time.perf_counter()
+        conn.request("POST", "/v1/search", body.encode(), {"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        answer.read()
+        took = 1e3 * (time.perf_counter() - t0)
+    finally:
+        conn.close()
+    if answer.status != 200:
+        raise SystemExit(f"a lone query was answered {answer.status}: {body[:80]}")
+    return took
+
+
 def every_tower_answers(url: str, bodies: list[str], workers: int) -> None:
     """Lone queries of every modality, each on a connection of its own, 8 per worker: the
     kernel spreads new connections over the workers' sockets, so every worker has almost surely
     answered each (two workers: all but a 1-in-128 chance)."""
-    split = urlsplit(url)
-    host = split.hostname or "127.0.0.1"
     for body in bodies:
         for _ in range(8 * workers):
-            conn = http.client.HTTPConnection(host, split.port, timeout=600)
-            try:
-                conn.request("POST", "/v1/search", body.encode(),
-                             {"Content-Type": "application/json"})  # fmt: skip
-                answer = conn.getresponse()
-                answer.read()
-                if answer.status != 200:
-                    raise SystemExit(f"a lone query was answered {answer.status}: {body[:80]}")
-            finally:
-                conn.close()
+            lone_query(url, body)
 
 
 def served(
