@@ -144,6 +144,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8775)
     p.add_argument("--out", type=Path, default=Path("bench-out/auto.json"))
     args = p.parse_args()
+    bench_server.require_wrk()
     cores = len(os.sched_getaffinity(0))
     gen = Generator(args.symbols)
     figures: dict[str, Any] = {"records": args.records, "cpu": bench_server.cpu_model(),

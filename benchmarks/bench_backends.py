@@ -33,6 +33,7 @@ from benchmarks.bench_server import (
     cpu_model,
     env_for,
     make_model,
+    require_wrk,
     wait_ready,
     write_records,
     wrk,
@@ -116,6 +117,7 @@ def main() -> None:
         "--backends", default=",".join(BACKENDS), help="comma-separated, of " + ", ".join(BACKENDS)
     )
     args = p.parse_args()
+    require_wrk()
     backends = [b for b in args.backends.split(",") if b]
     unknown = sorted(set(backends) - set(BACKENDS))
     if unknown or not backends:

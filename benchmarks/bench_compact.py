@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_server import env_for, stop, wait_ready, wrk  # noqa: E402
+from benchmarks.bench_server import env_for, require_wrk, stop, wait_ready, wrk  # noqa: E402
 
 NAMES = ("image", "audio", "text")
 TOPICS = 1000
@@ -263,6 +263,7 @@ def main() -> None:
         "loads served by it too, after this checkout's",
     )
     args = p.parse_args()
+    require_wrk()
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-compact-"))
     work.mkdir(parents=True, exist_ok=True)
     if not (work / "records.jsonl").is_file():

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_compact import LUA, disk_bytes  # noqa: E402  (LUA: a fresh vector a request)
 from benchmarks.bench_scale import rss  # noqa: E402
-from benchmarks.bench_server import env_for, stop, wait_ready, wrk  # noqa: E402
+from benchmarks.bench_server import env_for, require_wrk, stop, wait_ready, wrk  # noqa: E402
 
 NAMES = ("a", "b", "c")
 DIM = 128
@@ -239,6 +239,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--port", type=int, default=8793)
     args = p.parse_args()
+    require_wrk()
     work = args.work
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()

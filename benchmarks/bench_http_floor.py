@@ -114,6 +114,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="loads per app, in turn")
     p.add_argument("--port", type=int, default=8741)
     args = p.parse_args()
+    bench_server.require_wrk()
     print(f"{bench_server.cpu_model()}, {usable_cores()} workers, wait {args.wait_ms:g} ms")
     for _ in range(args.rounds):
         for kind in ("starlette", "fastapi", "plain"):

@@ -126,6 +126,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8741)
     p.add_argument("--out", type=Path, help="write the figures here as JSON")
     args = p.parse_args()
+    bench_server.require_wrk()
     if args.pairs < 4:
         p.error(f"--pairs: {args.pairs} is too few for a median and its quartiles (4 at least)")
     if args.out is not None and not args.out.parent.is_dir():

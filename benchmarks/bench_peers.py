@@ -116,6 +116,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8785)
     p.add_argument("--out", type=Path, default=Path("bench-out/peers.json"))
     args = p.parse_args()
+    bench_server.require_wrk()
     sys.path.insert(0, str(REPO))
     import torch
     from pymilvus import MilvusClient

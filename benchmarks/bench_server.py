@@ -198,6 +198,12 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3}[unit]
 
 
+def require_wrk() -> None:
+    """Stop at start where wrk is missing, not after minutes of building and warming up."""
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is not on PATH: install it first (Debian, Ubuntu: apt install wrk)")
+
+
 def wrk(
     url: str, connections: int, seconds: float, script: str, timeout_s: float = 2.0
 ) -> dict[str, Any]:
@@ -329,6 +335,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--out", type=Path, default=Path("bench-out/server.json"))
     args = p.parse_args()
+    require_wrk()
     repo = args.repo.resolve()
     blas_env = {v: os.environ.get(v, "unset") for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     figures: dict[str, Any] = {"records": args.records, "cpu": cpu_model(), "repo": str(repo),

@@ -757,6 +757,7 @@ def main() -> None:
         "median and range (this machine's noise moves a lone ratio by tenths)",
     )
     args = p.parse_args()
+    bench_server.require_wrk()
     if args.pairs < 4:
         p.error(f"--pairs: {args.pairs} is too few for a median and its quartiles (4 at least)")
     work = args.work or Path(tempfile.mkdtemp(prefix="hclip-tower-serving-"))

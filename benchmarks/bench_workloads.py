@@ -57,6 +57,7 @@ from benchmarks.bench_server import (
     blas_libraries,
     cpu_model,
     env_for,
+    require_wrk,
     stop,
     wait_ready,
     wrk,
@@ -547,6 +548,7 @@ def main() -> None:
     p.add_argument("--build-only", action="store_true", help="make data and builds, serve nothing")
     p.add_argument("--out", type=Path, default=Path("bench-out/workloads.json"))
     args = p.parse_args()
+    require_wrk()
     repos = [r.resolve() for r in (args.repo or [REPO])]
     work = args.work.resolve()
     sizes = {"w1": args.w1_records, "w2": args.w2_records}
