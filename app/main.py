@@ -107,8 +107,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.add_middleware(request_metrics, metrics=metrics)
     instance = settings.instance or f"{socket.gethostname()}-{os.getpid()}"
-    # outermost: every response gets its request id and the instance that answered it
-    app.add_middleware(request_context, instance=instance)
+    # outermost: every response gets its request id, the instance that answered it and where
+    # its time went
+    app.add_middleware(request_context, instance=instance, server_timing=settings.server_timing)
     # Routes are matched in order: the search routes, the busiest, come first.
     search.install(app)
     for module in (ops, records):

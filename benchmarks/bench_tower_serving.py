@@ -43,7 +43,10 @@ search itself costs microseconds beside a tower). For each query modality and ru
   follows an idle moment, and on a shared VM a forward after one can be a tenth slower than
   the limit's back-to-back forwards, far more than the 3 ms the bar allows: medians taken
   minutes apart, in two states, do not resolve it; a ViT-B/16 forward varies by tens of ms
-  from one to the next here, and a median within about 1 ms takes 400 pairs); with
+  from one to the next here, and a median within about 1 ms takes 400 pairs), split by the
+  service's own Server-Timing into its path outside the encode call (HTTP, checks, queues,
+  search, format) and its encode call over the bare forward (thread hops, decode, the
+  forward's own variance); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
 - where the server's CPU went during the first 32-connection load, per query answered (each
@@ -458,6 +461,7 @@ def lone_in_turn(
     lines = bodies.read_text().splitlines()
     served_s: list[float] = []
     bare_s: list[float] = []
+    encode_s: list[float] = []  # the encode call, as the service's Server-Timing gives it
     try:
         if tower.stdout.readline().strip() != "ready":
             raise SystemExit("the bare tower for lone queries did not start")
@@ -472,6 +476,9 @@ def lone_in_turn(
             took = time.perf_counter() - t0
             if answer.status != 200:
                 raise SystemExit(f"a lone query was answered {answer.status}")
+            call = encode_call_ms(answer.getheader("server-timing") or "", name)
+            if call is not None:
+                encode_s.append(call / 1e3)
             time.sleep(IDLE_S)
             tower.stdin.write(f"{i}\n")
             tower.stdin.flush()
@@ -484,7 +491,20 @@ def lone_in_turn(
         tower.wait()
     over = [1e3 * (s - b) for s, b in zip(served_s, bare_s, strict=True)]
     quartiles = statistics.quantiles(over, n=4)
+    by_stage = {}
+    if len(encode_s) == len(served_s):  # a service that says what its encode call took
+        by_stage = {
+            # the service's path: HTTP, checks, queues, search, format, all but the encode call
+            "outside_encode_ms": statistics.median(
+                1e3 * (s - e) for s, e in zip(served_s, encode_s, strict=True)
+            ),
+            # the encode call (its hops, the input's decode, the forward) over the bare forward
+            "encode_over_single_ms": statistics.median(
+                1e3 * (e - b) for e, b in zip(encode_s, bare_s, strict=True)
+            ),
+        }
     return {
+        **by_stage,
         "pairs": len(over),
         "served_p50_ms": 1e3 * statistics.median(served_s),
         "single_ms": 1e3 * statistics.median(bare_s),
@@ -493,6 +513,12 @@ def lone_in_turn(
         # a median's standard error, about 1.25 x sigma / sqrt(n), sigma taken as IQR / 1.35
         "over_single_se_ms": 1.25 * (quartiles[2] - quartiles[0]) / 1.35 / len(over) ** 0.5,
     }
+
+
+def encode_call_ms(header: str, modality: str) -> float | None:
+    """The `encode` call's ms for `modality` in a Server-Timing header (app.core.timing)."""
+    found = re.search(rf'(?:^|, )encode;dur=([0-9.]+);desc="{re.escape(modality)} \(', header)
+    return float(found[1]) if found else None
 
 
 def lone_query(url: str, body: str) -> float:
@@ -867,6 +893,14 @@ def main() -> None:
                         se=in_turn["over_single_se_ms"],
                     )
                     if in_turn is not None
+                    else ""
+                )
+                + (
+                    " (outside the encode call {:.1f} ms, the encode call over the single"
+                    " forward {:+.1f} ms)".format(
+                        in_turn["outside_encode_ms"], in_turn["encode_over_single_ms"]
+                    )
+                    if in_turn is not None and "outside_encode_ms" in in_turn
                     else ""
                 )
                 + f" conn. {srv['connections_per_worker']}"

@@ -16,6 +16,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.http import error_response
+from app.core import timing
 from app.core.errors import ApiError, BodyTimeout, InternalError, TooLarge
 from app.core.metrics import Metrics
 
@@ -61,13 +62,14 @@ def receive_within(receive: Receive, timeout_s: float) -> Receive:
     return bounded
 
 
-def request_context(app: ASGIApp, instance: str = "") -> ASGIApp:
+def request_context(app: ASGIApp, instance: str = "", server_timing: bool = True) -> ASGIApp:
     """Gives every request an id (the client's X-Request-ID when it is a sane token) that the
     response and any log line about it carry, and says which instance answered
     (X-Hclip-Instance: behind a load balancer or with several workers, that is the one whose
-    logs to read); and turns an exception that escaped every handler into a 500 envelope with
-    `Connection: close`, so that the client's connection is closed properly instead of dropped
-    mid-keep-alive."""
+    logs to read); with `server_timing`, says where the request's time went (Server-Timing:
+    app.core.timing); and turns an exception that escaped every handler into a 500 envelope
+    with `Connection: close`, so that the client's connection is closed properly instead of
+    dropped mid-keep-alive."""
     answered_by = (b"x-hclip-instance", instance.encode("latin-1", "replace"))
 
     async def with_context(scope: Scope, receive: Receive, send: Send) -> None:
@@ -78,12 +80,16 @@ def request_context(app: ASGIApp, instance: str = "") -> ASGIApp:
         scope.setdefault("state", {})["request_id"] = rid
         header = (b"x-request-id", rid.encode())
         started = False
+        stages, token = timing.begin() if server_timing else (None, None)
 
         async def send_with_id(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                message["headers"] = [*message.get("headers", []), header, answered_by]
+                headers = [*message.get("headers", []), header, answered_by]
+                if stages is not None:
+                    headers.append((b"server-timing", stages.header()))
+                message["headers"] = headers
             await send(message)
 
         try:
@@ -93,6 +99,9 @@ def request_context(app: ASGIApp, instance: str = "") -> ASGIApp:
             if started:
                 raise  # headers are out: nothing better to do than let the server close it
             await error_response(InternalError(), rid, close=True)(scope, receive, send_with_id)
+        finally:
+            if token is not None:
+                timing.end(token)
 
     return with_context
 

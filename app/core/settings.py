@@ -48,6 +48,12 @@ class Settings(BaseSettings):
         description="names this process in the X-Hclip-Instance response header "
         "(default: host name and process id)",
     )
+    server_timing: bool = Field(
+        True,
+        description="say in a Server-Timing response header where a request's time went "
+        "(each encode and search: its wait, its call, its batch; the total); off where "
+        "clients should not see it",
+    )
 
     max_k: int = Field(100, ge=1, le=10_000)
     default_k: int = Field(10, ge=1)

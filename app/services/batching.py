@@ -33,6 +33,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import torch
 
+from app.core import timing
 from app.core.errors import Overloaded
 from app.services.core_share import CoreShare
 from app.services.threads import TeamThread
@@ -55,6 +56,19 @@ ENCODE_HOLD_SHARE = 0.25
 HOLD_MAX_S = 0.05
 
 
+@dataclass(slots=True, eq=False)
+class _Queued(Generic[T, R]):
+    """An item while it waits, then the call that took it: when it began, how long it took,
+    how many items it held (0 until then)."""
+
+    item: T
+    future: asyncio.Future[R]
+    queued: float  # time.perf_counter() at submit
+    started: float = 0.0
+    took: float = 0.0
+    batch: int = 0
+
+
 class MicroBatcher(Generic[T, R]):
     """`run_batch(items)` runs on the executor and returns one result or exception per item.
 
@@ -72,6 +86,7 @@ class MicroBatcher(Generic[T, R]):
         name: str = "batcher",
         on_loop: bool = False,
         hold_share: float = 0.0,
+        stage: tuple[str, str] | None = None,
     ):
         self.run_batch = run_batch
         self.executor = executor
@@ -82,7 +97,8 @@ class MicroBatcher(Generic[T, R]):
         self.name = name
         self.on_loop = on_loop  # run on the event loop even with an executor (see search_batcher)
         self.hold_share = hold_share
-        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self.stage = stage  # (metric, description) in the requests' Server-Timing
+        self._pending: list[_Queued[T, R]] = []
         self._last = (0, 0.0, 0.0)  # the last call: its inputs, when it ended, how long it took
         self._wanted = 0  # submit wakes the held call once this many are queued
         self._enough: asyncio.Future[None] | None = None
@@ -99,15 +115,21 @@ class MicroBatcher(Generic[T, R]):
                 f"{self.name}: {self.max_pending} requests already queued (HCLIP_MAX_PENDING)"
             )
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[R] = loop.create_future()
-        self._pending.append((item, future))
+        queued = _Queued(item, loop.create_future(), time.perf_counter())
+        self._pending.append(queued)
         enough = self._enough
         if enough is not None and not enough.done() and len(self._pending) >= self._wanted:
             enough.set_result(None)
         if not self._draining:
             self._draining = True
             self._task = loop.create_task(self._drain())  # held: the loop keeps weak refs
-        return await future  # cancelling the awaiting task cancels the future: item dropped
+        try:
+            return await queued.future  # cancelling the awaiting task cancels it: item dropped
+        finally:
+            if self.stage is not None and queued.batch:
+                metric, desc = self.stage
+                timing.record(f"{metric}-wait", desc, queued.started - queued.queued)
+                timing.record(metric, desc, queued.took, queued.batch)
 
     async def _call(self, items: list[T]) -> Sequence[R | Exception]:
         if self.executor is None or self.on_loop:
@@ -168,23 +190,24 @@ class MicroBatcher(Generic[T, R]):
                 if self.wait_s and len(self._pending) < self.max_batch:
                     await asyncio.sleep(self.wait_s)
                 await self._hold()
-                live = [(i, f) for i, f in self._pending if not f.done()]
+                live = [q for q in self._pending if not q.future.done()]
                 batch, self._pending = live[: self.max_batch], live[self.max_batch :]
                 if not batch:
                     continue
                 started = time.perf_counter()
-                results = await self._run([item for item, _ in batch])
+                results = await self._run([q.item for q in batch])
                 ended = time.perf_counter()
                 self._last = (len(batch), ended, ended - started)
                 if self.on_batch:
                     self.on_batch(len(batch))
-                for (_, future), result in zip(batch, results, strict=True):
-                    if future.done():
+                for q, result in zip(batch, results, strict=True):
+                    q.started, q.took, q.batch = started, ended - started, len(batch)
+                    if q.future.done():
                         continue
                     if isinstance(result, Exception):
-                        future.set_exception(result)
+                        q.future.set_exception(result)
                     else:
-                        future.set_result(result)
+                        q.future.set_result(result)
         finally:
             self._draining = False
 
@@ -262,7 +285,7 @@ def search_batcher(
 
     return MicroBatcher(
         run, executor, max_batch, wait_s, on_batch, max_pending, name=f"view {view.name!r}",
-        on_loop=on_loop,
+        on_loop=on_loop, stage=("search", view.name),
     )  # fmt: skip
 
 
@@ -334,4 +357,5 @@ def encode_batcher(
         max_pending=max_pending,
         name=f"{modality} encoder",
         hold_share=0.0 if cfg.kind == "vector" else ENCODE_HOLD_SHARE,
+        stage=("encode", modality),
     )
