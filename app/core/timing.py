@@ -12,6 +12,7 @@ request waited.
 
 from __future__ import annotations
 
+import functools
 import time
 from contextvars import ContextVar, Token
 
@@ -44,6 +45,7 @@ class Stages:
         return ", ".join(parts).encode("ascii")
 
 
+@functools.lru_cache(maxsize=256)  # the descriptions are the modalities' and views' names
 def _quoted(text: str) -> str:
     """A description as a header's quoted-string holds it: ASCII, no quote or backslash."""
     return "".join(c if " " <= c <= "~" and c not in '"\\' else "?" for c in text)
