@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -302,6 +303,13 @@ def test_page_picks_uploads_and_records_in_a_browser(demo_dir: Path, tmp_path: P
             assert page.upload("audio", clip) == f"uploaded {clip.name}"
             texts = page.search()
             assert len(texts) == 10 and page.result_meta().startswith("view audio+image")
+            # where the answer's time went, from its Server-Timing header
+            took = re.search(r", in ([0-9.]+) ms \(encode (.+); search ([0-9.]+)\)$",
+                             page.result_meta())  # fmt: skip
+            assert took, page.result_meta()
+            encodes = dict(e.split(" ") for e in took[2].split(", "))
+            assert sorted(encodes) == ["audio", "image"], took[2]
+            assert all(float(ms) <= float(took[1]) for ms in [*encodes.values(), took[3]])
 
             page.driver.find_element("css selector", "#mod-image h3 button").click()  # clear
             label = page.record("audio")
