@@ -21,10 +21,11 @@ import asyncio
 import base64
 import io
 import random
+import re
 import time
 import wave
 from collections.abc import Generator, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -59,18 +60,38 @@ class Hit:
 
 @dataclass(frozen=True)
 class SearchResult:
+    """`timing` (search() only): ms per stage as the server timed it, from its Server-Timing
+    header: `total`, and for each raw input's encode and the view's search the wait for its
+    call and the call (`encode-wait text`, `encode text`, `search-wait image+text`, `search
+    image+text`); empty where the server sends none."""
+
     index_version: str
     view: str
     hits: list[Hit]
     cached: bool
     effort: int | None = None
+    timing: dict[str, float] = field(default_factory=dict)
 
     @staticmethod
-    def from_json(obj: Mapping[str, Any]) -> SearchResult:
+    def from_json(obj: Mapping[str, Any], timing: dict[str, float] | None = None) -> SearchResult:
         hits = [Hit(h["id"], float(h["score"]), h["payload"]) for h in obj["results"]]
         return SearchResult(
-            obj["index_version"], obj["view"], hits, obj["cached"], obj.get("effort")
-        )
+            obj["index_version"], obj["view"], hits, obj["cached"], obj.get("effort"),
+            timing or {},
+        )  # fmt: skip
+
+
+_STAGE = re.compile(r'([\w-]+);dur=([0-9.]+)(?:;desc="([^"]*)")?')
+
+
+def _timing(header: str | None) -> dict[str, float]:
+    """A Server-Timing header as {"metric name": ms}: a stage's name is its description
+    without the batch the server adds ("text (batch of 4)" -> "text")."""
+    out = {}
+    for metric, ms, desc in _STAGE.findall(header or ""):
+        name = desc.split(" (", 1)[0]
+        out[f"{metric} {name}" if name else metric] = float(ms)
+    return out
 
 
 @dataclass(frozen=True)
@@ -303,6 +324,11 @@ class _Core:
 
     def _exchange(self, method: str, path: str, body: Any = None) -> Call[Any]:
         """One request, retried as decide() says: its JSON answer, or the client's error."""
+        return (yield from self._answered(method, path, body)).json()
+
+    def _answered(self, method: str, path: str, body: Any = None) -> Call[httpx.Response]:
+        """One request, retried as decide() says: its successful response, or the client's
+        error."""
         request = _Request(method, path, body)
         attempt = 0
         while True:
@@ -316,7 +342,7 @@ class _Core:
                     raise HclipError(0, "connection", str(exc)) from exc
             else:
                 if r.is_success:
-                    return r.json()
+                    return r
                 wait = self.decide(r, attempt)
                 if wait is None:
                     raise _error(r)
@@ -344,7 +370,8 @@ class _Core:
     ) -> Call[SearchResult]:
         kinds = (yield from self._info_call(False)).inputs if query else {}
         body = _search_body(query, embeddings, k, filter, effort, kinds)
-        return SearchResult.from_json((yield from self._exchange("POST", "/v1/search", body)))
+        r = yield from self._answered("POST", "/v1/search", body)
+        return SearchResult.from_json(r.json(), _timing(r.headers.get("server-timing")))
 
     def _search_batch(
         self, searches: Sequence[Mapping[str, Any]]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.client import AsyncClient, Client, HclipError, HclipTimeout, SearchResult
+from app.client import AsyncClient, Client, HclipError, HclipTimeout, SearchResult, _timing
 from indexer.store import artifact
 from tests.app.conftest import build_index, records_v, running, settings_for
 from tests.app.test_hostile import GOOD, media_model, slow_image
@@ -54,6 +54,11 @@ def test_every_method(media) -> None:
         # one image, five ways: a path (str and Path), bytes, a PIL image, an array
         as_path = c.search({"image": str(png)}, k=3)
         assert isinstance(as_path, SearchResult) and len(as_path.hits) == 3
+        # where its time went, as the server timed it (a cache miss: every stage)
+        stages = as_path.timing
+        assert set(stages) == {"encode-wait image", "encode image", "search-wait image",
+                               "search image", "total"}, stages  # fmt: skip
+        assert 0 < stages["encode image"] <= stages["total"]
         for same in (png, png.read_bytes(), Image.open(png), np.asarray(Image.open(png))):
             assert [h.id for h in c.search({"image": same}, k=3).hits] == [
                 h.id for h in as_path.hits
@@ -133,6 +138,7 @@ def test_the_async_client(media) -> None:
             assert info.d == 4
             results = await asyncio.gather(*(c.search({"vec": [i, 1, 2]}, k=2) for i in range(8)))
             assert all(len(r.hits) == 2 for r in results)
+            assert all(r.timing["search vec"] <= r.timing["total"] for r in results)
             assert (await c.embed("vec", [[1, 1, 2]])).shape == (1, 4)
             assert (await c.record("g3")).payload["n"] == 3
             assert set((await c.record_embeddings("g3")).embeddings) == {"audio", "image", "vec"}
@@ -143,6 +149,17 @@ def test_the_async_client(media) -> None:
 
     with running(settings_for(root)) as http:
         asyncio.run(main(str(http.base_url)))
+
+
+def test_server_timing_is_read_as_ms_per_stage() -> None:
+    header = (
+        'encode-wait;dur=0.04;desc="text", encode;dur=12.98;desc="text (batch of 4)", '
+        'search;dur=0.37;desc="image+text (batch of 2)", total;dur=14.29'
+    )
+    assert _timing(header) == {
+        "encode-wait text": 0.04, "encode text": 12.98, "search image+text": 0.37, "total": 14.29
+    }  # fmt: skip
+    assert _timing(None) == {} and _timing("") == {}
 
 
 def test_wav_from_samples_round_trips() -> None:
