@@ -84,7 +84,7 @@ class SearchResult:
 _STAGE = re.compile(r'([\w-]+);dur=([0-9.]+)(?:;desc="([^"]*)")?')
 
 
-def _timing(header: str | None) -> dict[str, float]:
+def server_timing(header: str | None) -> dict[str, float]:
     """A Server-Timing header as {"metric name": ms}: a stage's name is its description
     without the batch the server adds ("text (batch of 4)" -> "text")."""
     out = {}
@@ -371,7 +371,7 @@ class _Core:
         kinds = (yield from self._info_call(False)).inputs if query else {}
         body = _search_body(query, embeddings, k, filter, effort, kinds)
         r = yield from self._answered("POST", "/v1/search", body)
-        return SearchResult.from_json(r.json(), _timing(r.headers.get("server-timing")))
+        return SearchResult.from_json(r.json(), server_timing(r.headers.get("server-timing")))
 
     def _search_batch(
         self, searches: Sequence[Mapping[str, Any]]

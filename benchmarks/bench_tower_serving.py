@@ -97,6 +97,7 @@ import bench_image_decode  # noqa: E402  (photo-like JPEGs)
 import bench_server  # noqa: E402  (wrk, wait_ready, cpu_model)
 import bench_towers  # noqa: E402  (the towers, records and model)
 
+from app.client import server_timing  # noqa: E402  (the service's Server-Timing, by stage)
 from models.machine import usable_cores  # noqa: E402
 
 QUERY_OF = {"text": "caption", "image": "photo", "audio": "sound"}
@@ -476,7 +477,7 @@ def lone_in_turn(
             took = time.perf_counter() - t0
             if answer.status != 200:
                 raise SystemExit(f"a lone query was answered {answer.status}")
-            call = encode_call_ms(answer.getheader("server-timing") or "", name)
+            call = server_timing(answer.getheader("server-timing")).get(f"encode {name}")
             if call is not None:
                 encode_s.append(call / 1e3)
             time.sleep(IDLE_S)
@@ -513,12 +514,6 @@ def lone_in_turn(
         # a median's standard error, about 1.25 x sigma / sqrt(n), sigma taken as IQR / 1.35
         "over_single_se_ms": 1.25 * (quartiles[2] - quartiles[0]) / 1.35 / len(over) ** 0.5,
     }
-
-
-def encode_call_ms(header: str, modality: str) -> float | None:
-    """The `encode` call's ms for `modality` in a Server-Timing header (app.core.timing)."""
-    found = re.search(rf'(?:^|, )encode;dur=([0-9.]+);desc="{re.escape(modality)} \(', header)
-    return float(found[1]) if found else None
 
 
 def lone_query(url: str, body: str) -> float:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from app.client import AsyncClient, Client, HclipError, HclipTimeout, SearchResult, _timing
+from app.client import AsyncClient, Client, HclipError, HclipTimeout, SearchResult, server_timing
 from indexer.store import artifact
 from tests.app.conftest import build_index, records_v, running, settings_for
 from tests.app.test_hostile import GOOD, media_model, slow_image
@@ -156,10 +156,10 @@ def test_server_timing_is_read_as_ms_per_stage() -> None:
         'encode-wait;dur=0.04;desc="text", encode;dur=12.98;desc="text (batch of 4)", '
         'search;dur=0.37;desc="image+text (batch of 2)", total;dur=14.29'
     )
-    assert _timing(header) == {
+    assert server_timing(header) == {
         "encode-wait text": 0.04, "encode text": 12.98, "search image+text": 0.37, "total": 14.29
     }  # fmt: skip
-    assert _timing(None) == {} and _timing("") == {}
+    assert server_timing(None) == {} and server_timing("") == {}
 
 
 def test_wav_from_samples_round_trips() -> None:
