@@ -63,7 +63,8 @@ class SearchResult:
     """`timing` (search() only): ms per stage as the server timed it, from its Server-Timing
     header: `total`, and for each raw input's encode and the view's search the wait for its
     call and the call (`encode-wait text`, `encode text`, `search-wait image+text`, `search
-    image+text`); empty where the server sends none."""
+    image+text`), within a raw input's encode call its decode and the model's forward
+    (`decode text`, `forward text`); empty where the server sends none."""
 
     index_version: str
     view: str

@@ -46,7 +46,8 @@ search itself costs microseconds beside a tower). For each query modality and ru
   from one to the next here, and a median within about 1 ms takes 400 pairs), split by the
   service's own Server-Timing into its path outside the encode call (HTTP, checks, queues,
   search, format) and its encode call over the bare forward (thread hops, decode, the
-  forward's own variance); with
+  forward's own variance), that call in turn into its hops, its decode and its forward over
+  the bare one (the model's forward as the service timed it, on the thread it ran on); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
 - where the server's CPU went during the first 32-connection load, per query answered (each
@@ -462,7 +463,10 @@ def lone_in_turn(
     lines = bodies.read_text().splitlines()
     served_s: list[float] = []
     bare_s: list[float] = []
-    encode_s: list[float] = []  # the encode call, as the service's Server-Timing gives it
+    # the encode call and, within it, the input's decode and the model's forward, as the
+    # service's Server-Timing gives them
+    encode_s: list[float] = []
+    parts_s: list[tuple[float, float]] = []
     try:
         if tower.stdout.readline().strip() != "ready":
             raise SystemExit("the bare tower for lone queries did not start")
@@ -477,9 +481,13 @@ def lone_in_turn(
             took = time.perf_counter() - t0
             if answer.status != 200:
                 raise SystemExit(f"a lone query was answered {answer.status}")
-            call = server_timing(answer.getheader("server-timing")).get(f"encode {name}")
+            stages = server_timing(answer.getheader("server-timing"))
+            call = stages.get(f"encode {name}")
             if call is not None:
                 encode_s.append(call / 1e3)
+            parts = stages.get(f"decode {name}"), stages.get(f"forward {name}")
+            if parts[0] is not None and parts[1] is not None:
+                parts_s.append((parts[0] / 1e3, parts[1] / 1e3))
             time.sleep(IDLE_S)
             tower.stdin.write(f"{i}\n")
             tower.stdin.flush()
@@ -502,6 +510,18 @@ def lone_in_turn(
             # the encode call (its hops, the input's decode, the forward) over the bare forward
             "encode_over_single_ms": statistics.median(
                 1e3 * (e - b) for e, b in zip(encode_s, bare_s, strict=True)
+            ),
+        }
+    if by_stage and len(parts_s) == len(served_s):  # a service that times the call's parts
+        by_stage |= {
+            # the call's hops between threads (and its checks of the output)
+            "hops_ms": statistics.median(
+                1e3 * (e - d - f) for e, (d, f) in zip(encode_s, parts_s, strict=True)
+            ),
+            "decode_ms": statistics.median(1e3 * d for d, _ in parts_s),
+            # the model's forward in the service over the bare tower's
+            "forward_over_single_ms": statistics.median(
+                1e3 * (f - b) for (_, f), b in zip(parts_s, bare_s, strict=True)
             ),
         }
     return {
@@ -896,6 +916,14 @@ def main() -> None:
                         in_turn["outside_encode_ms"], in_turn["encode_over_single_ms"]
                     )
                     if in_turn is not None and "outside_encode_ms" in in_turn
+                    else ""
+                )
+                + (
+                    " (within the call: hops {:.2f} ms, decode {:.2f} ms, the forward over the"
+                    " single forward {:+.1f} ms)".format(
+                        in_turn["hops_ms"], in_turn["decode_ms"], in_turn["forward_over_single_ms"]
+                    )
+                    if in_turn is not None and "hops_ms" in in_turn
                     else ""
                 )
                 + f" conn. {srv['connections_per_worker']}"

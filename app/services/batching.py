@@ -56,10 +56,20 @@ ENCODE_HOLD_SHARE = 0.25
 HOLD_MAX_S = 0.05
 
 
+class Timed(list[R | Exception]):
+    """A call's results, one per item, with the parts of the call it timed where it ran (a
+    stage's metric -> seconds): each request of the batch is told them beside the call's own
+    time, so that what the call spent off the event loop shows apart from the hops to it."""
+
+    def __init__(self, results: Sequence[R | Exception], stages: dict[str, float]):
+        super().__init__(results)
+        self.stages = stages
+
+
 @dataclass(slots=True, eq=False)
 class _Queued(Generic[T, R]):
     """An item while it waits, then the call that took it: when it began, how long it took,
-    how many items it held (0 until then)."""
+    how many items it held (0 until then), and the parts it timed (Timed)."""
 
     item: T
     future: asyncio.Future[R]
@@ -67,6 +77,7 @@ class _Queued(Generic[T, R]):
     started: float = 0.0
     took: float = 0.0
     batch: int = 0
+    parts: dict[str, float] | None = None
 
 
 class MicroBatcher(Generic[T, R]):
@@ -130,6 +141,8 @@ class MicroBatcher(Generic[T, R]):
                 metric, desc = self.stage
                 timing.record(f"{metric}-wait", desc, queued.started - queued.queued)
                 timing.record(metric, desc, queued.took, queued.batch)
+                for part, seconds in (queued.parts or {}).items():
+                    timing.record(part, desc, seconds, queued.batch)
 
     async def _call(self, items: list[T]) -> Sequence[R | Exception]:
         if self.executor is None or self.on_loop:
@@ -200,8 +213,10 @@ class MicroBatcher(Generic[T, R]):
                 self._last = (len(batch), ended, ended - started)
                 if self.on_batch:
                     self.on_batch(len(batch))
+                parts = results.stages if isinstance(results, Timed) else None
                 for q, result in zip(batch, results, strict=True):
                     q.started, q.took, q.batch = started, ended - started, len(batch)
+                    q.parts = parts
                     if q.future.done():
                         continue
                     if isinstance(result, Exception):
@@ -312,10 +327,13 @@ def encode_batcher(
     share = None if cfg.kind == "vector" else core_share
     team = None if cfg.kind == "vector" else team
 
-    def forward(decoded: list[Any]) -> np.ndarray:
-        return model.encode(modality, decoded).numpy().astype(np.float32)  # (n, d)
+    def forward(decoded: list[Any]) -> tuple[np.ndarray, float]:
+        """(n, d) embeddings and the seconds the model took, timed on the thread it ran on."""
+        t0 = time.perf_counter()
+        embs = model.encode(modality, decoded).numpy().astype(np.float32)
+        return embs, time.perf_counter() - t0
 
-    def encode(decoded: list[Any]) -> np.ndarray:
+    def encode(decoded: list[Any]) -> tuple[np.ndarray, float]:
         with contextlib.ExitStack() as stack:
             n = threads if share is None else stack.enter_context(share.threads(len(decoded)))
             if team is not None:
@@ -326,9 +344,10 @@ def encode_batcher(
             with torch.inference_mode():
                 return forward(decoded)
 
-    def run(values: list[Any]) -> list[np.ndarray | Exception]:
+    def run(values: list[Any]) -> Timed[np.ndarray]:
         out: list[np.ndarray | Exception] = []
         decoded, where = [], []
+        t0 = time.perf_counter()
         for i, value in enumerate(values):
             try:
                 # A JSON body holds no tensor: a tensor here was decoded by the checks.
@@ -340,13 +359,16 @@ def encode_batcher(
                 out.append(np.empty(0))
             except InputError as exc:
                 out.append(exc)
+        # raw inputs' decode (base64, image and audio files), then the model's call: its
+        # processor (tokenizer, resize), tower and head; a `vector` call is all model
+        stages = {} if cfg.kind == "vector" else {"decode": time.perf_counter() - t0}
         if decoded:
-            embs = encode(decoded)
+            embs, stages["forward"] = encode(decoded)
             finite = np.asarray(np.isfinite(embs).all(axis=1), dtype=bool)
             for j, i in enumerate(where):
                 # Values near float32's limit overflow inside the encoder: the input's fault.
                 out[i] = embs[j] if bool(finite[j]) else InputError(NON_FINITE)
-        return out
+        return Timed(out, {} if cfg.kind == "vector" else stages)
 
     return MicroBatcher(
         run,

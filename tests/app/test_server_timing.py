@@ -1,6 +1,7 @@
 """Server-Timing: each response says where its time went (each encode and search: its wait,
-its call and that call's batch; the total), from the real batchers through uvicorn; a cached
-answer names neither; a batch names its longest; HCLIP_SERVER_TIMING=false sends none."""
+its call and that call's batch; a raw input's decode and its model's forward within the
+encode call; the total), from the real batchers through uvicorn; a cached answer names
+neither; a batch names its longest; HCLIP_SERVER_TIMING=false sends none."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import orjson
 
 from app.core import timing
-from app.services.batching import MicroBatcher
-from tests.app.conftest import running, settings_for
+from app.services.batching import MicroBatcher, Timed
+from tests.app.conftest import build_index, running, settings_for
+from tests.app.test_hostile import GOOD, media_model
 
 METRIC = re.compile(r'([A-Za-z0-9-]+);dur=([0-9.]+)(?:;desc="([^"]*)")?(, |$)')
 
@@ -53,6 +55,31 @@ def test_a_search_says_what_its_encodes_and_its_search_took(vector_index) -> Non
         r = client.post("/v1/search", json={"query": {"z": [1.0]}})
         assert r.status_code == 422
         assert set(stages(r.headers["server-timing"])) == {("total", "")}
+
+
+def test_a_raw_input_says_what_its_decode_and_its_forward_took(tmp_path) -> None:
+    """Within a raw input's encode call, its decode and the model's forward, as the encode
+    thread timed them: each shorter than the call, and together too (what is left is the
+    call's hops between threads)."""
+    rows = [{"id": f"r{i}", "image": GOOD["image"](i), "vec": [i, 1, 2]} for i in range(6)]
+    build_index(tmp_path / "root", media_model(tmp_path, {"image", "vec"}), rows, tmp_path)
+    with running(settings_for(tmp_path / "root", cache_max_bytes=0)) as client:
+        r = client.post("/v1/search", json={"query": {"image": GOOD["image"](9)}, "k": 3})
+        assert r.status_code == 200, r.text
+        got = stages(r.headers["server-timing"])
+        one = "image (batch of 1)"
+        call = got[("encode", one)]
+        decode, forward = got[("decode", one)], got[("forward", one)]
+        assert 0 < decode <= call and 0 < forward <= call
+        assert decode + forward <= call + 0.02  # each rounded to 0.01 ms
+        assert {m for m, _ in got} == {
+            "encode-wait", "encode", "decode", "forward", "search-wait", "search", "total"
+        }  # fmt: skip
+
+        # an input that fails its decode is the request's 422, answered with what it took
+        r = client.post("/v1/search", json={"query": {"image": "data:image/png;base64,AAAA"}})
+        assert r.status_code == 422, r.text
+        assert ("forward", one) not in stages(r.headers["server-timing"])
 
 
 def test_a_cached_answer_names_no_stage(vector_index) -> None:
@@ -104,6 +131,30 @@ def test_the_batcher_tells_each_request_its_wait_and_its_call() -> None:
         assert 25 <= later[("encode-wait", "caption")] < 200  # the first call's remaining 40 ms
         assert 55 <= later[("encode", "caption (batch of 2)")] < 200
         assert later[("total", "")] >= 55 + 25
+
+
+def test_the_parts_a_call_timed_reach_each_request_of_its_batch() -> None:
+    def run(items: list[int]) -> Timed[int]:
+        time.sleep(0.03)
+        return Timed([i + 1 for i in items], {"decode": 0.001 * len(items), "forward": 0.025})
+
+    async def request(b: MicroBatcher, i: int) -> bytes:
+        stages_, token = timing.begin()
+        try:
+            await b.submit(i)
+            return stages_.header()
+        finally:
+            timing.end(token)
+
+    async def main() -> list[bytes]:
+        b = MicroBatcher(run, ThreadPoolExecutor(1), 8, 0.0, stage=("encode", "caption"))
+        return await asyncio.gather(request(b, 1), request(b, 2), request(b, 3))
+
+    for header in asyncio.run(main()):
+        got = stages(header.decode())
+        assert got[("decode", "caption (batch of 3)")] == 3.0
+        assert got[("forward", "caption (batch of 3)")] == 25.0
+        assert got[("encode", "caption (batch of 3)")] >= 28
 
 
 def test_a_stage_met_twice_keeps_its_longest_and_descriptions_stay_in_a_header() -> None:
