@@ -46,8 +46,9 @@ search itself costs microseconds beside a tower). For each query modality and ru
   from one to the next here, and a median within about 1 ms takes 400 pairs), split by the
   service's own Server-Timing into its path outside the encode call (HTTP, checks, queues,
   search, format) and its encode call over the bare forward (thread hops, decode, the
-  forward's own variance), that call in turn into its hops, its decode and its forward over
-  the bare one (the model's forward as the service timed it, on the thread it ran on); with
+  forward's own variance), that call in turn into its hops, its decode (an image's
+  processor included) and its forward over the bare one (the model's forward as the
+  service timed it, on the thread it ran on); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
 - where the server's CPU went during the first 32-connection load, per query answered (each
@@ -231,7 +232,7 @@ ON_REQUEST = (
     + """
 print("ready", flush=True)
 for line in sys.stdin:
-    print(json.dumps(single(int(line))[2]), flush=True)
+    print(json.dumps(single(int(line))[1:]), flush=True)  # the processor's, the single forward
 """
 )
 
@@ -467,6 +468,7 @@ def lone_in_turn(
     # service's Server-Timing gives them
     encode_s: list[float] = []
     parts_s: list[tuple[float, float]] = []
+    processor_s: list[float] = []  # an image's processor, in the bare single forward
     try:
         if tower.stdout.readline().strip() != "ready":
             raise SystemExit("the bare tower for lone queries did not start")
@@ -491,7 +493,9 @@ def lone_in_turn(
             time.sleep(IDLE_S)
             tower.stdin.write(f"{i}\n")
             tower.stdin.flush()
-            bare_s.append(float(tower.stdout.readline()))
+            processor, forward = json.loads(tower.stdout.readline())
+            bare_s.append(forward)
+            processor_s.append(processor)
             served_s.append(took)
             time.sleep(IDLE_S)
     finally:
@@ -519,9 +523,11 @@ def lone_in_turn(
                 1e3 * (e - d - f) for e, (d, f) in zip(encode_s, parts_s, strict=True)
             ),
             "decode_ms": statistics.median(1e3 * d for d, _ in parts_s),
-            # the model's forward in the service over the bare tower's
+            # the model's forward in the service over the bare tower's (an image's processor
+            # runs in the service's decode)
             "forward_over_single_ms": statistics.median(
-                1e3 * (f - b) for (_, f), b in zip(parts_s, bare_s, strict=True)
+                1e3 * (f - (b - p))
+                for (_, f), b, p in zip(parts_s, bare_s, processor_s, strict=True)
             ),
         }
     return {

@@ -359,8 +359,9 @@ def encode_batcher(
                 out.append(np.empty(0))
             except InputError as exc:
                 out.append(exc)
-        # raw inputs' decode (base64, image and audio files), then the model's call: its
-        # processor (tokenizer, resize), tower and head; a `vector` call is all model
+        # raw inputs' decode (base64, files; a tower's image resized and normalised by its
+        # processor, its audio resampled), then the model's call: a text's tokenizer, the
+        # tower, the head; a `vector` call is all model
         stages = {} if cfg.kind == "vector" else {"decode": time.perf_counter() - t0}
         if decoded:
             embs, stages["forward"] = encode(decoded)

@@ -56,9 +56,11 @@ def test_every_method(media) -> None:
         assert isinstance(as_path, SearchResult) and len(as_path.hits) == 3
         # where its time went, as the server timed it (a cache miss: every stage)
         stages = as_path.timing
-        assert set(stages) == {"encode-wait image", "encode image", "search-wait image",
-                               "search image", "total"}, stages  # fmt: skip
+        assert set(stages) == {"encode-wait image", "encode image", "decode image",
+                               "forward image", "search-wait image", "search image",
+                               "total"}, stages  # fmt: skip
         assert 0 < stages["encode image"] <= stages["total"]
+        assert 0 < stages["forward image"] <= stages["encode image"]
         for same in (png, png.read_bytes(), Image.open(png), np.asarray(Image.open(png))):
             assert [h.id for h in c.search({"image": same}, k=3).hits] == [
                 h.id for h in as_path.hits
