@@ -344,7 +344,7 @@ def encode_batcher(
             with torch.inference_mode():
                 return forward(decoded)
 
-    def run(values: list[Any]) -> Timed[np.ndarray]:
+    def run(values: list[Any]) -> list[np.ndarray | Exception]:
         out: list[np.ndarray | Exception] = []
         decoded, where = [], []
         t0 = time.perf_counter()
@@ -361,15 +361,16 @@ def encode_batcher(
                 out.append(exc)
         # raw inputs' decode (base64, files; a tower's image resized and normalised by its
         # processor, its audio resampled), then the model's call: a text's tokenizer, the
-        # tower, the head; a `vector` call is all model
-        stages = {} if cfg.kind == "vector" else {"decode": time.perf_counter() - t0}
+        # tower, the head
+        stages = {"decode": time.perf_counter() - t0}
         if decoded:
             embs, stages["forward"] = encode(decoded)
             finite = np.asarray(np.isfinite(embs).all(axis=1), dtype=bool)
             for j, i in enumerate(where):
                 # Values near float32's limit overflow inside the encoder: the input's fault.
                 out[i] = embs[j] if bool(finite[j]) else InputError(NON_FINITE)
-        return Timed(out, {} if cfg.kind == "vector" else stages)
+        # a `vector` call runs inline and is all model: its `encode` says what it took
+        return out if cfg.kind == "vector" else Timed(out, stages)
 
     return MicroBatcher(
         run,
