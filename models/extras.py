@@ -4,6 +4,7 @@ imported only by the command that uses it, which then says how to get it if it i
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 
 
@@ -23,8 +24,19 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
 
 # The `onnx` extra: ONNX Runtime, and what torch's ONNX exporter needs.
 ONNX_MODULES = ("onnxruntime", "onnx", "onnxscript")
+# ONNX Runtime 1.29 and later upload usage events to Microsoft from Linux and macOS by default,
+# and keep a device id and an event store under ~/.cache: a service must not phone home from
+# its users' machines. It reads this once, when it loads; a value the user set wins.
+ORT_TELEMETRY_OFF = ("ORT_DISABLE_TELEMETRY", "1")
+
+
+def load_onnxruntime(purpose: str) -> ModuleType:
+    """onnxruntime, loaded with its telemetry off (ORT_TELEMETRY_OFF)."""
+    os.environ.setdefault(*ORT_TELEMETRY_OFF)
+    return require("onnxruntime", "onnx", purpose)
 
 
 def require_onnx(purpose: str) -> None:
-    for module in ONNX_MODULES:
+    load_onnxruntime(purpose)
+    for module in ONNX_MODULES[1:]:
         require(module, "onnx", purpose)

@@ -45,7 +45,7 @@ from models.encoders.towers import (
     release_tower,
 )
 from models.errors import PretrainedError
-from models.extras import require_onnx
+from models.extras import load_onnxruntime, require_onnx
 from models.machine import usable_cores
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ def quantize_graph(fp32: Path, dest: Path) -> None:
     """onnxruntime's dynamic int8 quantisation (weights int8, activations quantised per call).
     Per channel: with one scale per tensor, all-MiniLM-L6-v2's features kept a cosine of 0.93
     to fp32's, with one per output channel 0.99."""
+    load_onnxruntime("int8 quantisation")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     external = any(p.name != GRAPH_FILE for p in fp32.iterdir())  # a graph over 2 GB
@@ -202,8 +203,7 @@ class OnnxTower:
         with self._lock:
             session = self._sessions.get(threads)
             if session is None:
-                import onnxruntime as ort
-
+                ort = load_onnxruntime("an ONNX tower")
                 opts = ort.SessionOptions()
                 opts.intra_op_num_threads = threads
                 opts.inter_op_num_threads = 1

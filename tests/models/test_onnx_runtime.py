@@ -2,7 +2,7 @@
 classes (one block each, so that their exports stay quick): fp32 embeddings equal torch's within
 1e-4, int8 ones stay close, a graph is exported once and again when its tower's files change,
 a missing onnxruntime stops `hclip serve` in one line, and a served raw text query gets torch's
-results."""
+results, with ONNX Runtime's telemetry off."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from models.encoders import decode
 from models.encoders import onnx_runtime as rt
 from models.encoders.runtime import Runtime
 from models.encoders.towers import load_processor
+from models.extras import ExtraMissing, load_onnxruntime
 from models.model import MultimodalModel
 from tests.app.conftest import free_port, running, settings_for
 from tests.app.test_readiness import stop, wait_ready
@@ -30,7 +31,10 @@ from tests.conftest import index_build, write_jsonl
 from tests.models.test_inputs import data_uri
 from tests.models.test_pretrained_towers import WORDS, png, records, wav
 
-pytest.importorskip("onnxruntime")
+try:
+    load_onnxruntime("these tests")  # as the service loads it: its telemetry off
+except ExtraMissing:
+    pytest.skip("the 'onnx' extra is not installed", allow_module_level=True)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -246,13 +250,18 @@ def test_a_missing_onnxruntime_is_one_line_at_start(served, tmp_path) -> None:
 
 
 def test_hclip_serve_with_onnx_answers_a_raw_text_query_as_torch_does(served, tmp_path) -> None:
+    """... and keeps no telemetry: ONNX Runtime 1.29 and later, left to itself, write a device
+    id and an event store under the user's cache directory and upload them to Microsoft."""
     root = served[1]
     body = {"query": {"caption": "the number three"}, "k": 10}
     with running(settings_for(root)) as client:  # the torch runtime, in this process
         want = client.post("/v1/search", json=body).json()["results"]
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HCLIP_ENCODER_RUNTIME": "onnx"}
+    home, cache = tmp_path / "home", tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HCLIP_ENCODER_RUNTIME": "onnx",
+           "HOME": str(home), "XDG_CACHE_HOME": str(cache)}  # fmt: skip
     env.pop("HCLIP_REDIS_URL", None)
+    env.pop("ORT_DISABLE_TELEMETRY", None)  # this process set it: the server must, itself
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.cli", "serve", "--root", str(root), "--workers", "1",
          "--port", str(port)],
@@ -266,6 +275,8 @@ def test_hclip_serve_with_onnx_answers_a_raw_text_query_as_torch_does(served, tm
         stop(proc)
     assert [r["id"] for r in got] == [r["id"] for r in want]
     assert np.allclose([r["score"] for r in got], [r["score"] for r in want], atol=1e-4)
+    kept = [p for d in (home, cache) if d.exists() for p in d.rglob("*.onnxruntime")]
+    assert not kept, kept  # ORT's store: <cache>/Microsoft/DeveloperTools/.onnxruntime
 
 
 def test_a_tower_the_exporter_cannot_take_is_a_pretrained_error(
