@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -138,18 +137,25 @@ def test_a_media_root_that_is_no_directory_is_one_line(tree: Path, model: Path, 
     assert err == [f"hclip index build: error: --media-root {tree / 'nope'}: not a directory"]
 
 
+HEAP_CAP = 3 << 30  # bytes of data segment the limited child may take
+
+
 def hclip_limited(*argv: object) -> subprocess.CompletedProcess[str]:
     """`hclip` in a process of its own, with a deadline and a heap cap: a regression that
     blocks on a FIFO or reads /dev/zero fails the test instead of hanging the suite or
-    taking the machine's memory."""
-
-    def cap() -> None:
-        resource.setrlimit(resource.RLIMIT_DATA, (3 << 30, 3 << 30))
-
+    taking the machine's memory. The child sets the cap itself, before it loads anything:
+    a `preexec_fn` runs between fork and exec, which is not safe in a process with threads
+    (this one has gRPC's once the Ray tests ran, and a child once died in gRPC's fork handler,
+    its poller's descriptor closed under it, before it could exec)."""
+    code = (
+        "import resource, runpy; "
+        f"resource.setrlimit(resource.RLIMIT_DATA, ({HEAP_CAP}, {HEAP_CAP})); "
+        "runpy.run_module('app.cli', run_name='__main__', alter_sys=True)"
+    )
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *map(str, argv)],
+        [sys.executable, "-c", code, *map(str, argv)],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True, text=True, timeout=120, preexec_fn=cap,
+        capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 
 
