@@ -145,8 +145,8 @@ def hclip_limited(*argv: object) -> subprocess.CompletedProcess[str]:
     blocks on a FIFO or reads /dev/zero fails the test instead of hanging the suite or
     taking the machine's memory. The child sets the cap itself, before it loads anything:
     a `preexec_fn` runs between fork and exec, which is not safe in a process with threads
-    (this one has gRPC's once the Ray tests ran, and a child once died in gRPC's fork handler,
-    its poller's descriptor closed under it, before it could exec)."""
+    (this one has gRPC's once the Ray tests ran, and a child started that way once died of
+    gRPC's abort on its poller's closed descriptor)."""
     code = (
         "import resource, runpy; "
         f"resource.setrlimit(resource.RLIMIT_DATA, ({HEAP_CAP}, {HEAP_CAP})); "

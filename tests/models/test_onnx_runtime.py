@@ -250,9 +250,9 @@ def test_a_missing_onnxruntime_is_one_line_at_start(served, tmp_path) -> None:
 
 
 def test_hclip_serve_with_onnx_answers_a_raw_text_query_as_torch_does(served, tmp_path) -> None:
-    """... and writes nothing in the user's home: ONNX Runtime 1.29 and later, left to
-    themselves, keep a device id and an event store in the user's cache directory and upload
-    usage events to Microsoft."""
+    """The server under onnx answers as torch does and writes nothing in its user's home:
+    ONNX Runtime 1.29 and later, left to themselves, keep a device id and an event store in
+    the user's cache directory and upload usage events to Microsoft."""
     root = served[1]
     body = {"query": {"caption": "the number three"}, "k": 10}
     with running(settings_for(root)) as client:  # the torch runtime, in this process
