@@ -22,8 +22,8 @@ def require(module: str, extra: str, purpose: str) -> ModuleType:
         ) from None
 
 
-# The `onnx` extra: ONNX Runtime, and what torch's ONNX exporter needs.
-ONNX_MODULES = ("onnxruntime", "onnx", "onnxscript")
+# The `onnx` extra: ONNX Runtime (load_onnxruntime), and what torch's ONNX exporter needs.
+EXPORTER_MODULES = ("onnx", "onnxscript")
 # ONNX Runtime 1.29 and later upload usage events to Microsoft from Linux and macOS by default,
 # and keep a device id and an event store under ~/.cache: a service must not phone home from
 # its users' machines. It reads this once, when it loads; a value the user set wins.
@@ -38,5 +38,5 @@ def load_onnxruntime(purpose: str) -> ModuleType:
 
 def require_onnx(purpose: str) -> None:
     load_onnxruntime(purpose)
-    for module in ONNX_MODULES[1:]:
+    for module in EXPORTER_MODULES:
         require(module, "onnx", purpose)
