@@ -1,5 +1,6 @@
 """HTTP plumbing: JSON bodies parsed into their request model in one call, orjson responses, the
-one error response, and the plain route the search routes are served through.
+one error response, the plain route the search routes are served through, and their answers
+given up when the client leaves.
 
 A body is read only after the route's key check (a dependency of the router, or first in
 deps.search_inputs for the search routes), then parsed and validated in one call by pydantic's
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import orjson
@@ -22,11 +23,14 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse as StarletteJSONResponse
+from starlette.responses import Response
 from starlette.routing import request_response
 
 from app.core.errors import ApiError, envelope, retry_after
 
 OFF_LOOP_BYTES = 1 << 20  # bodies larger than this are parsed on a thread
+# nginx's "client closed request": what the metrics count for an answer no one was left to read
+CLIENT_LEFT = 499
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -65,6 +69,36 @@ def json_body(model: type[M]) -> Callable[[Request], Awaitable[M]]:
             raise RequestValidationError(exc.errors(include_url=False)) from None
 
     return parse
+
+
+async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, bytes]) -> Response:
+    """`work`'s bytes as a JSON response, unless the client disconnects first: then `work` is
+    cancelled where it waits, so a query still queued for a tower or a view is dropped before
+    the call that would have taken it (app.services.batching), and the response is a bodiless
+    499 that goes nowhere. Called once the request's body has been read: the disconnect is the
+    only message left to receive."""
+    task = asyncio.current_task()
+    assert task is not None
+    left = False
+
+    async def watch() -> None:
+        nonlocal left
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        left = True
+        task.cancel()  # lands where the request waits: this task runs only while it does
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        body = await work
+    except asyncio.CancelledError:
+        if not left:
+            raise  # the server is stopping: not the client's doing
+        task.uncancel()
+        return Response(status_code=CLIENT_LEFT)
+    finally:
+        watcher.cancel()
+    return Response(body, media_type="application/json")
 
 
 def body_schema(model: type[BaseModel]) -> dict[str, Any]:

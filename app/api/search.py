@@ -1,6 +1,7 @@
 """POST /v1/search, POST /v1/search/batch and POST /v1/embed: thin adapters over
 app.services.search. Each takes its inputs from deps.search_inputs, which checks the key before
-the body is read, and is served as a http.PlainRoute on the app's own router (install)."""
+the body is read, answers unless its client leaves first (http.unless_client_leaves), and is
+served as a http.PlainRoute on the app's own router (install)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from starlette.responses import Response
 
 from app.api.deps import search_inputs
 from app.api.docs import errors
-from app.api.http import PlainRoute, body_schema, json_body
+from app.api.http import PlainRoute, body_schema, json_body, unless_client_leaves
 from app.api.schemas import (
     BatchSearchRequest,
     BatchSearchResponse,
@@ -19,7 +20,6 @@ from app.api.schemas import (
     SearchResponse,
 )
 
-JSON = "application/json"
 parse_search = json_body(SearchRequest)
 parse_batch = json_body(BatchSearchRequest)
 parse_embed = json_body(EmbedRequest)
@@ -28,19 +28,19 @@ parse_embed = json_body(EmbedRequest)
 async def search(request: Request) -> Response:
     body, state, serving = await search_inputs(request, parse_search)
     checked = state.checks.search(serving, body)
-    return Response(await state.search.search(serving, checked), media_type=JSON)
+    return await unless_client_leaves(request, state.search.search(serving, checked))
 
 
 async def search_batch(request: Request) -> Response:
     body, state, serving = await search_inputs(request, parse_batch)
     checked = state.checks.batch(serving, body.queries)
-    return Response(await state.search.search_batch(serving, checked), media_type=JSON)
+    return await unless_client_leaves(request, state.search.search_batch(serving, checked))
 
 
 async def embed(request: Request) -> Response:
     body, state, serving = await search_inputs(request, parse_embed)
     checked = state.checks.embed(serving, body.modality, body.inputs)
-    return Response(await state.search.embed(serving, checked), media_type=JSON)
+    return await unless_client_leaves(request, state.search.embed(serving, checked))
 
 
 def install(app: FastAPI) -> None:
