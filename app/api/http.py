@@ -93,7 +93,7 @@ async def unless_client_leaves(request: Request, work: Coroutine[Any, Any, bytes
         body = await work
     except asyncio.CancelledError:
         if not left:
-            raise  # the server is stopping: not the client's doing
+            raise  # a cancellation from elsewhere (the server stopping) goes on up
         task.uncancel()
         return Response(status_code=CLIENT_LEFT)
     finally:
