@@ -392,7 +392,8 @@ def connections_per_process(pids: list[int], port: int) -> list[int]:
 
 
 def wait_idle(pids: list[int], limit_s: float = 300.0) -> None:
-    """Until no thread of the server runs for half a second (queued requests answered)."""
+    """Until no thread of the server runs for half a second (the calls running when a load
+    stopped have finished; the queries its closed connections left queued are dropped)."""
     quiet, t0 = 0, time.monotonic()
     while quiet < 5 and time.monotonic() - t0 < limit_s:
         quiet = quiet + 1 if running_threads(pids)[0] == 0 else 0
@@ -619,7 +620,7 @@ def served(
         # every worker warm
         bench_server.wrk(url, 32, warm, WRK_POOL % (bodies, n // 2, path), timeout_s)
         pids = server_pids(server.pid)
-        wait_idle(pids)  # the requests wrk left queued are answered before the next load
+        wait_idle(pids)  # the calls wrk's last requests started end before the next load
         one = bench_server.wrk(url, 1, seconds, WRK_POOL % (bodies, 0, path), timeout_s)
         wait_idle(pids)
         in_turn = {} if lone is None or per_request > 1 else {"lone_in_turn": lone(url)}
