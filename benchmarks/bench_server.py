@@ -257,7 +257,10 @@ def cache_hit(url: str, seconds: float) -> dict[str, Any]:
     return wrk(url, 1, seconds, script)
 
 
-def wait_ready(url: str, proc: subprocess.Popen, limit_s: float = 60.0) -> None:
+def wait_ready(
+    url: str, proc: subprocess.Popen, limit_s: float = 60.0, path: str = "/readyz"
+) -> None:
+    """Until `path` answers 200 (a peer's server: its own health route)."""
     import httpx
 
     t0 = time.monotonic()
@@ -265,7 +268,7 @@ def wait_ready(url: str, proc: subprocess.Popen, limit_s: float = 60.0) -> None:
         if proc.poll() is not None:
             raise SystemExit("the server exited during start-up")
         try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
+            if httpx.get(url + path, timeout=1).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
