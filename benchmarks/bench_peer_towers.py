@@ -59,19 +59,19 @@ quantize_dynamic(sys.argv[1], sys.argv[2], weight_type=QuantType.QInt8, per_chan
 
 
 def infinity_folders(work: Path, minilm: Path, env_dir: Path) -> dict[str, Path]:
-    """Infinity's model folders (fp32, int8), made once from MiniLM's files in `work`."""
-    folders = {kind: work / "infinity" / kind for kind in RUNTIMES}
+    """Infinity's model folders (fp32, int8), made once from MiniLM's files under `work`/infinity
+    (made aside and renamed into place: an interrupted run leaves no half-made folder)."""
+    home = work / "infinity"
+    folders = {kind: home / kind for kind in RUNTIMES}
     if all(any(f.glob("*.onnx")) for f in folders.values()):
         return folders
-    export = work / "infinity" / "export"
-    shutil.rmtree(export, ignore_errors=True)
-    subprocess.run(
-        [str(env_dir / "bin" / "optimum-cli"), "export", "onnx", "--model", str(minilm),
-         "--task", "feature-extraction", str(export)],
-        env={**os.environ, "HF_HUB_OFFLINE": "1"}, check=True, capture_output=True,
-    )  # fmt: skip
-    for kind, folder in folders.items():
-        shutil.rmtree(folder, ignore_errors=True)
+    made = work / "infinity.partial"
+    shutil.rmtree(made, ignore_errors=True)
+    export = made / "export"
+    run_in(env_dir, "optimum-cli", "export", "onnx", "--model", str(minilm),
+           "--task", "feature-extraction", str(export))  # fmt: skip
+    for kind in folders:
+        folder = made / kind
         folder.mkdir(parents=True)
         for name in TOKENIZER_FILES:
             if (minilm / name).exists():
@@ -81,12 +81,21 @@ def infinity_folders(work: Path, minilm: Path, env_dir: Path) -> dict[str, Path]
         if kind == "fp32":
             shutil.copy(export / "model.onnx", folder / "model.onnx")
         else:
-            subprocess.run(
-                [str(env_dir / "bin" / "python"), "-c", QUANTIZE, str(export / "model.onnx"),
-                 str(folder / "model_quantized.onnx")],
-                check=True, capture_output=True,
-            )  # fmt: skip
+            quantized = str(folder / "model_quantized.onnx")
+            run_in(env_dir, "python", "-c", QUANTIZE, str(export / "model.onnx"), quantized)
+    shutil.rmtree(home, ignore_errors=True)
+    os.replace(made, home)
     return folders
+
+
+def run_in(env_dir: Path, program: str, *args: str) -> None:
+    """A program of Infinity's environment; its error output in the message if it fails."""
+    argv = [str(env_dir / "bin" / program), *args]
+    out = subprocess.run(
+        argv, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
 
 
 def infinity(
