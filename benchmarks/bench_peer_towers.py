@@ -109,13 +109,16 @@ def infinity(
         cmd.append("--onnx-do-not-prefer-quantized")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
            "DO_NOT_TRACK": "1", "HF_HOME": str(folder.parent / f"hf-{kind}")}  # fmt: skip
-    # Infinity finds a local folder's graph only by a path relative to it: it runs inside it
-    server = subprocess.Popen(
-        cmd, cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    log = folder.parent / f"{kind}.log"
+    with open(log, "wb") as out:
+        # Infinity finds a local folder's graph only by a path relative to it: it runs inside it
+        server = subprocess.Popen(cmd, cwd=folder, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        bench_server.wait_ready(url, server, limit_s=600.0, path="/health")
+        try:
+            bench_server.wait_ready(url, server, limit_s=600.0, path="/health")
+        except SystemExit as exc:
+            raise SystemExit(f"Infinity ({kind}): {exc} (its log: {log})") from None
         return loads(url, "/embeddings", bodies, seconds, tower.server_pids(server.pid))
     finally:
         bench_server.stop(server)
