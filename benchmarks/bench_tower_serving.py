@@ -51,8 +51,9 @@ search itself costs microseconds beside a tower). For each query modality and ru
   service timed it, on the thread it ran on); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
   printed (on a shared VM a lone ratio moves by a tenth or more between runs);
-- where the server's CPU went during the first 32-connection load, per query answered (each
-  thread's utime + stime from /proc): the workers' event loops (their main threads: HTTP,
+- where the server's CPU went for the first 32-connection load, per query its tower encoded
+  (each thread's utime + stime from /proc, read before the load and once the calls in flight
+  when it stopped have ended): the workers' event loops (their main threads: HTTP,
   checks, search, responses) and their other threads (the encode threads with their pools), beside
   the bare tower's CPU per query at the limit (cores / limit q/s). When the server keeps the
   cores busy, served / limit is about bare / (loop + threads): what the loops take is what the
@@ -642,15 +643,20 @@ def served(
             samples.append(running_threads(pids))
             time.sleep(0.05)
         t.join()
-        cpu_after = cpu_by_role(server.pid, pids)
+        cpu_end = cpu_by_role(server.pid, pids)
         result["answered_qps"] = answered(result) * per_request
-        queries = max(1, result["requests"]) * per_request
-        result["cpu_ms_per_query"] = {
-            role: 1e3 * (cpu_after[role] - cpu_before[role]) / queries for role in cpu_after
-        }
-        result["server_cores"] = sum(cpu_after[r] - cpu_before[r] for r in cpu_after) / seconds
+        result["server_cores"] = sum(cpu_end[r] - cpu_before[r] for r in cpu_end) / seconds
         wait_idle(pids)
+        # The CPU a query: all the server did for the load, the calls still running when wrk
+        # stopped included, over the queries its tower encoded. Over wrk's answered requests
+        # instead, a load of few slow queries (images: 32 in flight beside 30 answered) counts
+        # the unanswered ones' calls against the answered.
+        cpu_after = cpu_by_role(server.pid, pids)
         after = encode_batches(url, name)
+        encoded = max(1.0, after[0] - before[0])
+        result["cpu_ms_per_query"] = {
+            role: 1e3 * (cpu_after[role] - cpu_before[role]) / encoded for role in cpu_after
+        }
         calls = after[1] - before[1]
         batch = (after[0] - before[0]) / calls if calls else 1.0  # at 32 connections
         busy = [r for r, _ in samples[:-2]] or [0]
