@@ -658,7 +658,7 @@ def served(
             role: 1e3 * (cpu_after[role] - cpu_before[role]) / encoded for role in cpu_after
         }
         calls = after[1] - before[1]
-        batch = (after[0] - before[0]) / calls if calls else 1.0  # at 32 connections
+        batch = encoded / calls if calls else 1.0  # at 32 connections
         busy = [r for r, _ in samples[:-2]] or [0]
         extra: dict[str, Any] = {}
         if between is not None:
