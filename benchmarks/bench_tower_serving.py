@@ -162,6 +162,8 @@ def query_pool(
 TOWER = """
 import json, os, statistics, sys, time, torch
 from pathlib import Path
+if os.environ.get("BENCH_TEAM_THREAD"):  # loaded as a worker loads, on one torch thread
+    torch.set_num_threads(1)
 from models.checkpoint import load_model
 from models.encoders import decode
 from models.encoders.runtime import Runtime
@@ -227,13 +229,22 @@ print(json.dumps({"single_ms": 1e3 * statistics.median(singles) if singles else 
 )
 
 # The same tower, answering on request: a line with the input's number in, its single
-# forward's seconds out (the lone queries below alternate with the service's).
+# forward's seconds out (the lone queries below alternate with the service's). With
+# BENCH_TEAM_THREAD, each forward runs on a team thread as a worker's lone query does, its
+# OpenMP team placed on the cores (app.services.threads.TeamThread), and is timed there.
 ON_REQUEST = (
     TOWER
     + """
+answer = single
+if os.environ.get("BENCH_TEAM_THREAD"):
+    from app.services.threads import TeamThread
+    team = TeamThread(0, int(os.environ["HCLIP_TORCH_THREADS"]))
+    answer = lambda i: team.run(team.size, lambda: single(i))
+    for i in range(3):
+        answer(i)
 print("ready", flush=True)
 for line in sys.stdin:
-    print(json.dumps(single(int(line))[1:]), flush=True)  # the processor's, the single forward
+    print(json.dumps(answer(int(line))[1:]), flush=True)  # the processor's, the single forward
 """
 )
 
@@ -448,11 +459,14 @@ def lone_in_turn(
     """Lone queries in turn with the bare tower's single forward of the same input, one at a
     time, for `seconds` and `pairs` pairs at least: a query to the service (its latency at the
     client, a keep-alive connection), then the input's single forward in a process of its own
-    with every core's thread, each once the other's threads are idle (IDLE_S). The median of
-    the pairs' differences is what the service adds to a lone query beyond its tower, both
-    sides run from the same idle state and the machine's drift taken out."""
+    with every core's thread on a team thread placed as a worker's is (ON_REQUEST), each
+    once the other's threads are idle (IDLE_S). The
+    median of the pairs' differences is what the service adds to a lone query beyond its tower,
+    both sides run from the same idle state and the machine's drift taken out."""
     cores = usable_cores()
-    env = bench_towers.env_for(cores, HCLIP_ENCODER_RUNTIME=runtime, HCLIP_TORCH_THREADS=str(cores))
+    env = bench_towers.env_for(
+        cores, HCLIP_ENCODER_RUNTIME=runtime, HCLIP_TORCH_THREADS=str(cores), BENCH_TEAM_THREAD="1"
+    )
     tower = subprocess.Popen(
         [sys.executable, "-c", ON_REQUEST, str(model), name, str(pool)],
         env=env, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -691,8 +705,9 @@ def answered(load: dict[str, Any]) -> float:
 def before_and_after(
     before: Path, rounds: int, kind: str, runtime: str, serve: Callable[..., dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """The same loads served by an earlier checkout and by this one, in turn, `rounds` times:
-    a change's effect as ratios of runs next to each other on one machine."""
+    """The same loads, and lone queries in turn with the bare tower (`serve`'s `lone`), served
+    by an earlier checkout and by this one, in turn, `rounds` times: a change's effect as
+    ratios of runs next to each other on one machine."""
     pairs = []
     for _ in range(rounds):
         pair: dict[str, Any] = {}
@@ -706,13 +721,19 @@ def before_and_after(
                 "loop_cpu_ms": srv["32_connections"]["cpu_ms_per_query"]["loop"],
                 "p99_ms": srv["32_connections"]["p99_ms"],
                 "p99_1_ms": srv["1_connection"]["p99_ms"],
+                # lone queries in turn with the same bare tower: the served median, and the
+                # median of the pairs' differences
+                "in_turn_p50_ms": srv["lone_in_turn"]["served_p50_ms"],
+                "in_turn_over_ms": srv["lone_in_turn"]["over_single_ms"],
             }
         pair["qps_ratio"] = pair["after"]["qps"] / max(1e-9, pair["before"]["qps"])
         b, a = pair["before"], pair["after"]
         print(
             f"  {kind} {runtime}, before -> after: {b['qps']:.1f} -> {a['qps']:.1f} q/s at 32 "
             f"conn. (x{pair['qps_ratio']:.2f}), p50 {b['p50_ms']:.1f} -> {a['p50_ms']:.1f} ms, "
-            f"p99 at 1 conn. {b['p99_1_ms']:.1f} -> {a['p99_1_ms']:.1f} ms, at 32 "
+            f"p99 at 1 conn. {b['p99_1_ms']:.1f} -> {a['p99_1_ms']:.1f} ms, lone queries in "
+            f"turn with the bare tower {b['in_turn_p50_ms']:.1f} -> {a['in_turn_p50_ms']:.1f} ms"
+            f" (over it {b['in_turn_over_ms']:+.1f} -> {a['in_turn_over_ms']:+.1f}), at 32 "
             f"{b['p99_ms']:.1f} -> {a['p99_ms']:.1f} ms, "
             f"batch {b['batch']:.1f} -> {a['batch']:.1f}, event loops' CPU per query "
             f"{b['loop_cpu_ms']:.3f} -> {a['loop_cpu_ms']:.3f} ms, connections per worker "
@@ -958,6 +979,9 @@ def main() -> None:
                 serve = functools.partial(
                     served, root, name, bodies, seconds, runtime, "auto", args.port, timeout_s,
                     every_modality=every_modality,
+                    lone=functools.partial(
+                        lone_in_turn, model, name, values, bodies, runtime, seconds, args.pairs
+                    ),
                 )  # fmt: skip
                 row["before_and_after"] = before_and_after(
                     args.before, args.rounds, kind, runtime, serve

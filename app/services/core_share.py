@@ -63,6 +63,11 @@ class CoreShare:
         os.close(fd)
         log.warning("%s: every slot is taken; this worker counts only its own encodes", path)
 
+    @property
+    def slot(self) -> int:
+        """This worker's place among the server's (0 serving alone)."""
+        return self._slot
+
     def _running(self) -> int:
         """Encodes running now in every worker (this one's included)."""
         if self._map is None:

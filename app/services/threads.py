@@ -9,6 +9,7 @@ thread per encoder kind means that a slow image decode never delays an audio or 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ import faiss
 import torch
 
 from app.services.core_share import CoreShare
+from models.machine import usable_cores
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -39,6 +41,41 @@ def on_threads(threads: int, call: Callable[[], T]) -> T:
         return call()
 
 
+# Elements per thread of the tensor that starts a team: several times torch's grain size
+# (32,768), so that the region takes every thread it is given.
+TEAM_START_ELEMENTS = 1 << 17
+
+
+def place_team(threads: int, core: int) -> bool:
+    """Start this thread's OpenMP team of `threads`, this thread on one usable core (`core`,
+    modulo their number) and the team's other threads on the others; False where the cores
+    cannot be set (one core, no affinity calls), and the team is left to the scheduler.
+
+    Unplaced, a team of one thread per core loses lone small forwards to the scheduler: a
+    woken OpenMP thread can land on its master's core while another idles, and every region
+    of the forward then waits on the two sharing it (lone MiniLM queries through torch on 2
+    cores, 2 workers: 18 to 20 ms unplaced, 12 to 15 placed; docs/benchmarks/tower_serving.md).
+    libgomp's threads take the affinity of the thread that starts them, so they start while
+    this thread excludes its own core, and this thread takes that core after."""
+    if threads < 2 or not hasattr(os, "sched_setaffinity"):
+        return False
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            return False
+        own = cores[core % len(cores)]
+        os.sched_setaffinity(0, [c for c in cores if c != own])
+        try:
+            torch.set_num_threads(threads)
+            torch.ones(threads * TEAM_START_ELEMENTS).add_(1.0)
+        finally:
+            os.sched_setaffinity(0, [own])
+    except OSError as exc:  # a CPU set changed under the process (a container's): unplaced
+        log.warning("the torch team's threads were left unplaced: %s", exc)
+        return False
+    return True
+
+
 class TeamThread:
     """The one thread of a worker that runs torch calls on more than one thread.
 
@@ -54,16 +91,29 @@ class TeamThread:
     stops spinning, as it should (one worker on two cores answering text and images at once: a
     spinning team beside a one-thread call took text from 288 to 92 q/s); once they are done,
     the team thread's team spins again. A team left on a long-lived thread would slow every
-    later lone forward as much as the two encode threads did."""
+    later lone forward as much as the two encode threads did.
 
-    def __init__(self) -> None:
+    Its first call starts a team of `size` threads (the most a call is given) placed on the
+    cores (place_team), this thread on core `core`: workers give theirs apart, so that their
+    team threads start on different cores."""
+
+    def __init__(self, core: int = 0, size: int | None = None) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-team")
         self._free = threading.Lock()
+        self.core = core
+        self.size = size or usable_cores()
+        self._started = False
+
+    def _on_team(self, threads: int, call: Callable[[], T]) -> T:
+        if not self._started:
+            self._started = True
+            place_team(max(threads, self.size), self.core)
+        return on_threads(threads, call)
 
     def run(self, threads: int, call: Callable[[], T], busy_threads: int = 1) -> T:
         if threads > 1 and self._free.acquire(blocking=False):
             try:
-                return self._executor.submit(on_threads, threads, call).result()
+                return self._executor.submit(self._on_team, threads, call).result()
             finally:
                 self._free.release()
         n = min(threads, busy_threads)
@@ -89,7 +139,10 @@ class WorkerPools:
             initargs=(search_threads, torch_threads),
         )
         self._encoders: dict[str, ThreadPoolExecutor] = {}
-        self.team = TeamThread()
+        if core_share is None:  # every call keeps torch_threads
+            self.team = TeamThread(os.getpid(), torch_threads)
+        else:  # a worker's slot among the server's picks its team thread's core
+            self.team = TeamThread(core_share.slot, core_share.cores)
 
     def encoder(self, modality: str) -> ThreadPoolExecutor:
         """The pool that encodes `modality` (created on first use; modalities come with the

@@ -3,6 +3,8 @@ the process keeps one OpenMP team and libgomp keeps spinning between a forward's
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import threading
@@ -10,7 +12,7 @@ import threading
 import pytest
 import torch
 
-from app.services.threads import TeamThread
+from app.services.threads import TeamThread, place_team
 
 # Three caller threads, each making a torch call on 2 threads that starts a parallel region;
 # prints how many threads the process gained. `team`: through a TeamThread; `direct`: each
@@ -20,7 +22,7 @@ import os, sys, threading, torch
 from app.services.threads import TeamThread, on_threads
 torch.set_num_threads(1)
 before = len(os.listdir("/proc/self/task"))
-team = TeamThread()
+team = TeamThread(size=2)
 big = torch.ones(4_000_000)
 def call():  # far above torch's grain size: a parallel region on every thread it is given
     return float(big.mul(2.0).sum())
@@ -49,7 +51,7 @@ import os, sys, threading, time, torch
 from app.services.threads import TeamThread, on_threads
 torch.set_num_threads(1)
 before = len(os.listdir("/proc/self/task"))
-team = TeamThread()
+team = TeamThread(size=2)
 big = torch.ones(4_000_000)
 inside, release, done = threading.Event(), threading.Event(), threading.Event()
 def long_call():
@@ -167,3 +169,48 @@ def test_a_failing_call_raises_to_its_caller_and_frees_the_team_thread() -> None
         assert team.run(2, lambda: threading.current_thread().name).startswith("torch-team")
     finally:
         team.shutdown()
+
+
+# A team thread given core `argv[1]`, its first call on 2 threads: prints the cores of the
+# caller, of the team thread, and of each thread the call started.
+PLACED = """
+import json, os, sys, threading, torch
+from app.services.threads import TeamThread
+torch.set_num_threads(1)
+before = set(os.listdir("/proc/self/task"))
+team = TeamThread(core=int(sys.argv[1]), size=2)
+def call():  # a parallel region on both threads
+    return threading.get_native_id(), float(torch.ones(1 << 20).mul(2).sum())
+team_thread = team.run(2, call)[0]
+started = set(os.listdir("/proc/self/task")) - before - {str(team_thread)}
+print(json.dumps({
+    "caller": sorted(os.sched_getaffinity(0)),
+    "team_thread": sorted(os.sched_getaffinity(team_thread)),
+    "started": [sorted(os.sched_getaffinity(int(t))) for t in started],
+}))
+"""
+
+cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+@pytest.mark.skipif(len(cores) < 2, reason="placing a team takes two cores")
+@pytest.mark.parametrize("core", [0, 1, len(cores) + 1])
+def test_the_team_thread_takes_its_core_and_its_team_the_others(core: int) -> None:
+    """Placed, the team's OpenMP thread never shares the team thread's core (where the
+    scheduler may wake it, unplaced), and the caller keeps every core."""
+    out = subprocess.run(
+        [sys.executable, "-c", PLACED, str(core)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    own = cores[core % len(cores)]
+    assert seen["caller"] == cores
+    assert seen["team_thread"] == [own]
+    assert seen["started"] == [[c for c in cores if c != own]]
+
+
+def test_a_team_of_one_thread_is_not_placed() -> None:
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    assert place_team(1, 0) is False
+    if before is not None:
+        assert os.sched_getaffinity(0) == before
