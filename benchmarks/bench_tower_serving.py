@@ -38,7 +38,8 @@ search itself costs microseconds beside a tower). For each query modality and ru
 - the ratios the issue sets bars on: served q/s / limit q/s, and p50 - single forward (and p50
   - decode - single forward: what the service adds beyond a raw query's own work); and the
   latter taken in turn (`in turn`, lone_in_turn): lone queries to the server idle between the
-  loads alternating with the bare tower's single forward of the same inputs, the median of the
+  loads alternating with the bare tower's single forward of the same inputs (each on a team
+  thread placed as a worker's is: app.services.threads.TeamThread), the median of the
   pairs' differences and its standard error, over --pairs pairs at least (a lone query
   follows an idle moment, and on a shared VM a forward after one can be a tenth slower than
   the limit's back-to-back forwards, far more than the 3 ms the bar allows: medians taken
@@ -50,7 +51,8 @@ search itself costs microseconds beside a tower). For each query modality and ru
   processor included) and its forward over the bare one (the model's forward as the
   service timed it, on the thread it ran on); with
   --repeat N, served and limit are measured N times in turn, and their medians and ranges
-  printed (on a shared VM a lone ratio moves by a tenth or more between runs);
+  printed (on a shared VM a lone ratio moves by a tenth or more between runs); with --before,
+  an earlier checkout's q/s, p50 and lone queries in turn beside this one's;
 - where the server's CPU went for the first 32-connection load, per query its tower encoded
   (each thread's utime + stime from /proc, read before the load and once the calls in flight
   when it stopped have ended): the workers' event loops (their main threads: HTTP,
@@ -459,10 +461,10 @@ def lone_in_turn(
     """Lone queries in turn with the bare tower's single forward of the same input, one at a
     time, for `seconds` and `pairs` pairs at least: a query to the service (its latency at the
     client, a keep-alive connection), then the input's single forward in a process of its own
-    with every core's thread on a team thread placed as a worker's is (ON_REQUEST), each
-    once the other's threads are idle (IDLE_S). The
-    median of the pairs' differences is what the service adds to a lone query beyond its tower,
-    both sides run from the same idle state and the machine's drift taken out."""
+    with every core's thread on a team thread placed as a worker's is (ON_REQUEST), each once
+    the other's threads are idle (IDLE_S). The median of the pairs' differences is what the
+    service adds to a lone query beyond its tower, both sides run from the same idle state and
+    the machine's drift taken out."""
     cores = usable_cores()
     env = bench_towers.env_for(
         cores, HCLIP_ENCODER_RUNTIME=runtime, HCLIP_TORCH_THREADS=str(cores), BENCH_TEAM_THREAD="1"

@@ -94,8 +94,8 @@ class TeamThread:
     later lone forward as much as the two encode threads did.
 
     Its first call starts a team of `size` threads (the most a call is given) placed on the
-    cores (place_team), this thread on core `core`: workers give theirs apart, so that their
-    team threads start on different cores."""
+    cores (place_team), this thread on core `core`: each worker gives its own, so that the
+    workers' team threads sit on different cores."""
 
     def __init__(self, core: int = 0, size: int | None = None) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="torch-team")
