@@ -884,15 +884,16 @@ def main() -> None:
                 starts = range(0, len(queries) - per + 1, per)
                 sent.write_text("".join(json.dumps({"queries": queries[i : i + per]}) + "\n"
                                         for i in starts))  # fmt: skip
+            lone = functools.partial(
+                lone_in_turn, model, name, values, bodies, runtime, seconds, args.pairs
+            )
             srv = served(
                 root, name, sent, seconds, runtime, threads, args.port, timeout_s, per_request=per,
                 between=functools.partial(
                     bare, model, name, pool=values, seconds=min(args.seconds, 15.0),
                     runtime=runtime,
                 ),
-                lone=functools.partial(
-                    lone_in_turn, model, name, values, bodies, runtime, seconds, args.pairs
-                ),
+                lone=lone,
                 every_modality=every_modality,
             )  # fmt: skip
             lim, batch = srv["limit"], srv["limit"]["batch"]
@@ -980,10 +981,7 @@ def main() -> None:
             if args.before is not None and threads == "auto" and per == 1 and repeat == 0:
                 serve = functools.partial(
                     served, root, name, bodies, seconds, runtime, "auto", args.port, timeout_s,
-                    every_modality=every_modality,
-                    lone=functools.partial(
-                        lone_in_turn, model, name, values, bodies, runtime, seconds, args.pairs
-                    ),
+                    every_modality=every_modality, lone=lone,
                 )  # fmt: skip
                 row["before_and_after"] = before_and_after(
                     args.before, args.rounds, kind, runtime, serve
