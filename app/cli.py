@@ -94,6 +94,19 @@ SERVING_COMMANDS = ("serve", "demo")
 # busy-wait iterations before an idle OpenMP thread sleeps: about a millisecond by libgomp's own
 # estimate; with the passive policy, libgomp spins none once its threads outnumber the cores
 SPIN_BEFORE_SLEEP = "100000"
+# What a serving command sets, where the environment does not, before anything imports torch
+# (libgomp reads both OpenMP settings once, when torch loads it):
+# - idle OpenMP threads sleep, not spin, while another worker needs the core; but a forward's
+#   threads spin briefly between its parallel regions (microseconds apart), or each region
+#   waits for a sleeping thread to wake (docs/benchmarks/tower_serving.md);
+# - tokenizers' Rayon pool (a thread per core in every worker) spins in sched_yield after each
+#   batch, taking cores from the towers (same document): a query batch's sentences are
+#   tokenised in the encode thread instead.
+SERVING_ENVIRONMENT = {
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "GOMP_SPINCOUNT": SPIN_BEFORE_SLEEP,
+    "TOKENIZERS_PARALLELISM": "false",
+}
 
 
 def _command(argv: Sequence[str]) -> str | None:
@@ -104,16 +117,8 @@ def _command(argv: Sequence[str]) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if _command(argv) in SERVING_COMMANDS:
-        # Idle OpenMP threads sleep, not spin, while another worker needs the core; but a
-        # forward's threads spin briefly between its parallel regions (microseconds apart), or
-        # each region waits for a sleeping thread to wake (docs/benchmarks/tower_serving.md).
-        # libgomp reads both once, when torch loads it: set before anything imports torch.
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_BEFORE_SLEEP)
-        # Tokenizers' Rayon pool (a thread per core in every worker) spins in sched_yield after
-        # each batch, taking cores from the towers (docs/benchmarks/tower_serving.md): a query
-        # batch's sentences are tokenised in the encode thread instead.
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        for name, value in SERVING_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
     args = build_parser(_command(argv)).parse_args(argv)
     configure_logging(logging.DEBUG if args.verbose else logging.INFO)
     # The job named in every error: `hclip index build`, not `hclip index`.

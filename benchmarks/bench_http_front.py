@@ -24,6 +24,7 @@ apart as `loops`), then a 1-connection load (p50).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import subprocess
 import sys
@@ -37,7 +38,7 @@ sys.path.insert(0, str(HERE))
 import bench_server  # noqa: E402  (wrk, wait_ready, stop, cpu_model)
 from bench_tower_serving import WRK_POOL, cpu_by_role, server_pids, wait_idle  # noqa: E402
 
-from app.cli import SPIN_BEFORE_SLEEP  # noqa: E402
+from app.cli import SERVING_ENVIRONMENT  # noqa: E402
 from models.machine import usable_cores  # noqa: E402
 
 FRONTS = ("uvicorn", "granian")
@@ -59,9 +60,10 @@ def served(front: str, root: Path, runtime: str, bodies: Path, seconds: float, p
     env = bench_server.env_for(
         REPO, HCLIP_ROOT=str(root), HCLIP_PORT=str(port), HCLIP_CACHE_MAX_BYTES="0",
         HCLIP_ENCODER_RUNTIME=runtime, HCLIP_MAX_PENDING="4096", HCLIP_WORKERS=str(workers),
-        # what `hclip serve` gives its workers (app.cli, app.server.serve)
-        OMP_WAIT_POLICY="PASSIVE", GOMP_SPINCOUNT=SPIN_BEFORE_SLEEP,
-        TOKENIZERS_PARALLELISM="false", HCLIP_WORKERS_DIR=str(scratch / "workers"),
+        # what `hclip serve` gives its workers (app.cli, app.server.serve): the serving
+        # settings where the environment does not have its own
+        **{k: os.environ.get(k, v) for k, v in SERVING_ENVIRONMENT.items()},
+        HCLIP_WORKERS_DIR=str(scratch / "workers"),
         PROMETHEUS_MULTIPROC_DIR=str(scratch / "metrics"),
     )  # fmt: skip
     env.pop("OMP_NUM_THREADS", None)
