@@ -45,7 +45,10 @@ async def embed(request: Request) -> Response:
 
 def install(app: FastAPI) -> None:
     """The routes, on the app's own router and before any other: FastAPI matches a route of an
-    included router twice a request."""
+    included router twice a request, and the routes it adds itself when the app is made (the
+    OpenAPI document, /docs, /redoc) would otherwise each try their pattern before every search."""
+    routes = app.router.routes
+    before = len(routes)
     declared = app.router.add_api_route
     errors_of_search = errors(400, 401, 408, 413, 422, 503)
     for path, endpoint, body, response, responses, summary in (
@@ -67,3 +70,4 @@ def install(app: FastAPI) -> None:
             summary=summary,
             route_class_override=PlainRoute,
         )
+    routes[:] = routes[before:] + routes[:before]
