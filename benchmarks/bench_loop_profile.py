@@ -55,7 +55,10 @@ LAYERS = (
     ("the event loop (uvloop's own code), asyncio, concurrent.futures", "asyncio/"),
     ("the event loop (uvloop's own code), asyncio, concurrent.futures", "concurrent/"),
     ("metrics (prometheus_client, multiprocess)", "prometheus_client/"),
-    ("OpenTelemetry (FastAPI's check a request)", "opentelemetry/"),
+    # FastAPI's check of OpenTelemetry's providers a request (py-spy drops `opentelemetry/`)
+    ("OpenTelemetry", "trace/"),
+    ("OpenTelemetry", "metrics/_internal/"),
+    ("OpenTelemetry", "_logs/"),
     ("the service: app/", "app/"),
     ("the service: models/, indexer/ (query factors, search)", "models/"),
     ("the service: models/, indexer/ (query factors, search)", "indexer/"),
