@@ -80,13 +80,13 @@ def layer_of(frame: str) -> str:
 
 
 def main_thread_samples(raw: Path) -> list[tuple[list[str], int]]:
-    """py-spy's raw stacks of the worker's main thread (a spawned worker's main thread starts
-    at `<module> (<string>:1)`; the others at threading's bootstrap)."""
+    """py-spy's raw stacks (`--threads`: each begins with `thread (TID): NAME`) of the main
+    thread, the worker's event loop, without that first entry."""
     out = []
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        if frames and frames[0].startswith("<module> (<string>"):
+        thread, *frames = stack.split(";")
+        if thread.endswith(": MainThread") and frames:
             out.append((frames, int(count)))
     return out
 
@@ -109,7 +109,8 @@ def profile(work: Path, runtime: str, seconds: float, port: int, out: Path) -> d
         bench_server.wrk(url, 32, max(4.0, seconds / 2), WRK_POOL % (bodies, n // 2, "/v1/search"))
         pids = server_pids(server.pid)
         wait_idle(pids)
-        workers_pids = [p for p in pids if p != server.pid and _is_worker(p)]
+        # one worker (a single core) is the server's own process
+        workers_pids = [p for p in pids if p != server.pid and _is_worker(p)] or [server.pid]
         load: dict[str, Any] = {}
 
         perf = shutil.which("perf")
@@ -124,8 +125,9 @@ def profile(work: Path, runtime: str, seconds: float, port: int, out: Path) -> d
         threading.Event().wait(1.0)
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         subprocess.run(
-            [spy, "record", "--gil", "--rate", "1000", "--format", "raw", "--nonblocking",
-             "-d", str(round(seconds)), "-p", str(workers_pids[0]), "-o", str(out)],
+            [spy, "record", "--gil", "--threads", "--nonblocking", "--rate", "1000",
+             "--format", "raw", "-d", str(round(seconds)), "-p", str(workers_pids[0]),
+             "-o", str(out)],
             check=True, capture_output=True,
         )  # fmt: skip
         by_library = cpu_by_library(perf, workers_pids[0], seconds, out) if perf else {}
@@ -178,7 +180,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="how long py-spy samples")
     p.add_argument("--top", type=int, default=15, help="frames listed by their own samples")
     p.add_argument("--port", type=int, default=8752)
-    p.add_argument("--stacks", type=Path, help="keep py-spy's raw stacks in this file")
+    p.add_argument(
+        "--stacks",
+        type=Path,
+        help="keep py-spy's raw stacks in this file (and perf's data beside it)",
+    )
     args = p.parse_args()
     bench_server.require_wrk()
     if not (args.work / "bodies-text.jsonl").is_file() or not (args.work / "root").is_dir():
